@@ -1,0 +1,31 @@
+"""lazyckpt: load PyTorch checkpoints lazily, one tensor at a time, resharded on the way.
+
+See DESIGN.md for the contract. The pipeline is index (per format, metadata only) -> plan
+(pure integers) -> read (only the target's bytes) -> deliver (cast, device, DTensor).
+"""
+
+from lazyckpt.errors import (
+    CorruptModelCheckpointError,
+    ModelCheckpointError,
+    UnknownCheckpointFormatError,
+)
+from lazyckpt.layout import Layout
+from lazyckpt.loader import ModelCheckpointLoader
+from lazyckpt.loaders import get_model_checkpoint_loader
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.reshard import reshard_tensor
+from lazyckpt.stats import LoadStats
+
+__all__ = [
+    "CorruptModelCheckpointError",
+    "Layout",
+    "LoadStats",
+    "ModelCheckpointError",
+    "ModelCheckpointLoadOptions",
+    "ModelCheckpointLoader",
+    "UnknownCheckpointFormatError",
+    "get_model_checkpoint_loader",
+    "reshard_tensor",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,110 @@
+"""Reassemble a key from a ``[tp][dp]`` grid of shards into a global shape and chunks.
+
+Model-parallel sources (fairscale ``consolidated.NN.pth``, fairseq2 ``tp_XX/sdp_XX.pt``) and
+``reshard_tensor``'s ``source_splits`` all store a key as a grid: TP shards concatenated along the
+key's shard dim, each TP shard split on dim 0 across data-parallel ranks. This module turns such a
+grid into what the planner needs: the global shape and, per copy, chunks with global offsets. It
+only does integer work on shapes; ``data`` is carried through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lazyckpt.index import Chunk, ChunkData
+from lazyckpt.plan import PlanError, normalize_dim
+
+__all__ = ["Cell", "assemble_grid"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One shard of the grid: its local shape, dtype and where its elements are."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data: ChunkData
+    where: str
+    """Names the shard in errors (a file, or ``source_splits[1][0]``)."""
+
+
+def assemble_grid(
+    grid: Sequence[Sequence[Cell]], shard_dim: int | None
+) -> tuple[torch.dtype, tuple[int, ...], tuple[tuple[Chunk, ...], ...]]:
+    """Global dtype, shape and copies of a key stored as ``grid[tp][dp]``.
+
+    With a ``shard_dim``, TP shards are concatenated along it (one copy). Without one the key is a
+    replica: every TP row holds the whole tensor, so each row is a copy, and their shapes must
+    agree. Within a TP shard, DP shards are concatenated on dim 0. A 0-d key cannot be split, so
+    every cell is a copy of it.
+    """
+    cells = [c for row in grid for c in row]
+    if not cells or any(len(row) == 0 for row in grid):
+        raise PlanError("no shards given")
+    first = cells[0]
+    for c in cells[1:]:
+        if c.dtype != first.dtype:
+            raise PlanError(
+                f"dtypes disagree: {first.dtype} in {first.where}, {c.dtype} in {c.where}"
+            )
+        if len(c.shape) != len(first.shape):
+            raise PlanError(
+                f"ranks disagree: shape {first.shape} in {first.where}, {c.shape} in {c.where}"
+            )
+    ndim = len(first.shape)
+    if ndim == 0:
+        return first.dtype, (), tuple((Chunk((), (), c.data),) for c in cells)
+
+    rows = [_stack_dp(row) for row in grid]  # per TP rank: local shape, chunks at local offsets
+    if shard_dim is None:
+        shape = rows[0][0]
+        for (row_shape, _), row in zip(rows[1:], grid[1:]):
+            if row_shape != shape:
+                raise PlanError(
+                    f"the copies differ in shape ({shape} in {grid[0][0].where}, {row_shape} in "
+                    f"{row[0].where}), so the key is split across ranks: add it to shard_dims"
+                )
+        return first.dtype, shape, tuple(tuple(chunks) for _, chunks in rows)
+
+    try:
+        dim = normalize_dim(shard_dim, ndim)
+    except PlanError:
+        # The caller's shard_dims are wrong, not the checkpoint: a ValueError, not a PlanError.
+        raise ValueError(
+            f"shard dim {shard_dim} is out of range for a {ndim}-D tensor; fix shard_dims"
+        ) from None
+    shape0 = rows[0][0]
+    offset = 0
+    chunks: list[Chunk] = []
+    for (row_shape, row_chunks), row in zip(rows, grid):
+        for d in range(ndim):
+            if d != dim and row_shape[d] != shape0[d]:
+                raise PlanError(
+                    f"shard shapes disagree off the shard dim {dim}: {shape0} in {grid[0][0].where}, "
+                    f"{row_shape} in {row[0].where}"
+                )
+        for c in row_chunks:
+            offsets = tuple(o + offset if d == dim else o for d, o in enumerate(c.offsets))
+            chunks.append(Chunk(offsets, c.sizes, c.data))
+        offset += row_shape[dim]
+    shape = tuple(offset if d == dim else s for d, s in enumerate(shape0))
+    return first.dtype, shape, (tuple(chunks),)
+
+
+def _stack_dp(row: Sequence[Cell]) -> tuple[tuple[int, ...], list[Chunk]]:
+    """Concatenate one TP rank's DP shards on dim 0: its local shape and chunks."""
+    base = row[0].shape
+    offset = 0
+    chunks = []
+    for c in row:
+        if c.shape[1:] != base[1:]:
+            raise PlanError(
+                f"data-parallel shards disagree off dim 0: {base} in {row[0].where}, {c.shape} in "
+                f"{c.where}"
+            )
+        chunks.append(Chunk((offset,) + (0,) * (len(base) - 1), c.shape, c.data))
+        offset += c.shape[0]
+    return (offset, *base[1:]), chunks

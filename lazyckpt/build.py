@@ -1,0 +1,163 @@
+"""Build one target tensor from its plan: a zero-copy view, one CPU buffer, or a CUDA tensor
+filled through a small pool of pinned staging buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.load_plan import TensorPlan
+from lazyckpt.plan import Box, Piece, plan_pieces
+from lazyckpt.read import Reader
+
+__all__ = ["PinnedPool", "build_tensor", "output_dtype"]
+
+
+def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """Only floating-point tensors are cast: integer ids and bool masks keep their dtype."""
+    if requested is None or not (src.is_floating_point and requested.is_floating_point):
+        return src
+    return requested
+
+
+def build_tensor(
+    plan: TensorPlan,
+    reader: Reader,
+    out_dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    pool: PinnedPool | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """The target tensor of ``plan`` and whether it is a view of a mapped file."""
+    what = f"key {plan.entry.display_key}"
+    src_dtype = plan.entry.dtype
+    on_cuda = device is not None and device.type == "cuda"
+    if on_cuda and not plan.verify:
+        assert pool is not None
+        return _build_cuda(plan, reader, out_dtype, device, pool, what), False
+    if plan.may_be_view and out_dtype == src_dtype and not on_cuda:
+        piece = plan.pieces[0]
+        view = reader.view(plan.chunks[piece.chunk], src_dtype, piece, what)
+        if view is not None:
+            return view, True
+    dst = torch.empty(plan.box.sizes, dtype=src_dtype if plan.verify else out_dtype)
+    _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, what)
+    for copy, pieces in plan.verify:
+        other = torch.empty(plan.box.sizes, dtype=src_dtype)
+        _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, what)
+        if reader.stats is not None:
+            reader.stats.add_verified(other.numel() * src_dtype.itemsize)
+        if not _same_bits(dst, other):
+            a = plan.chunks[plan.pieces[0].chunk].path if plan.pieces else None
+            b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None
+            raise CorruptModelCheckpointError(
+                b or a or "<memory>",
+                f"key {plan.entry.display_key} should be a replica but its copies in {a} and {b} "
+                "differ; if the key is split across model-parallel ranks, add it to shard_dims "
+                "(see lazyckpt.presets), otherwise one of the files is damaged",
+            )
+    if dst.dtype != out_dtype:
+        dst = dst.to(out_dtype)
+    if on_cuda:
+        dst = dst.to(device)
+    return dst, False
+
+
+def _fill(
+    reader: Reader,
+    chunks: Sequence[object],
+    src_dtype: torch.dtype,
+    pieces: Sequence[Piece],
+    dst: torch.Tensor,
+    what: str,
+) -> None:
+    for piece in pieces:
+        reader.copy(chunks[piece.chunk], src_dtype, piece, dst, what)  # type: ignore[arg-type]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and -0.0 included), unlike ``torch.equal`` on floats."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class PinnedPool:
+    """A few pinned host buffers reused for host-to-GPU copies.
+
+    Each buffer remembers the CUDA event recorded after the last copy out of it; it is reused
+    only once that event has completed, so a non-blocking copy never reads a buffer that is
+    being refilled.
+    """
+
+    def __init__(self, *, buffers: int = 2, nbytes: int = 32 << 20) -> None:
+        self.nbytes = nbytes
+        self._buffers = [
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)
+        ]
+        self._events: list[torch.cuda.Event | None] = [None] * buffers
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A buffer slot of at least ``nbytes``, waiting for its previous copy to finish."""
+        if nbytes > self.nbytes:
+            return -1, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+        return slot, self._buffers[slot][:nbytes]
+
+    def release(self, slot: int, buffer: torch.Tensor) -> None:
+        """Mark the copy out of ``slot`` as issued on the current stream."""
+        event = torch.cuda.Event()
+        event.record()
+        if slot >= 0:
+            self._events[slot] = event
+        else:
+            event.synchronize()  # a one-off buffer: keep it alive until its copy is done
+            del buffer
+
+    def synchronize(self) -> None:
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+
+
+def _build_cuda(
+    plan: TensorPlan,
+    reader: Reader,
+    out_dtype: torch.dtype,
+    device: torch.device,
+    pool: PinnedPool,
+    what: str,
+) -> torch.Tensor:
+    """Fill a CUDA tensor slab by slab (along dim 0) through pinned buffers."""
+    box, src_dtype = plan.box, plan.entry.dtype
+    dst = torch.empty(box.sizes, dtype=out_dtype, device=device)
+    if box.numel == 0:
+        return dst
+    chunk_boxes = [Box(c.offsets, c.sizes) for c in plan.chunks]
+    if not box.sizes:
+        slabs = [(box, None)]
+    else:
+        row_bytes = max(1, box.numel // box.sizes[0] * src_dtype.itemsize)
+        rows = max(1, pool.nbytes // row_bytes)
+        slabs = []
+        for r0 in range(0, box.sizes[0], rows):
+            r1 = min(box.sizes[0], r0 + rows)
+            sub = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:]))
+            slabs.append((sub, slice(r0, r1)))
+    for sub, rows_slice in slabs:
+        nbytes = sub.numel * src_dtype.itemsize
+        slot, raw = pool.take(nbytes)
+        staging = raw.view(src_dtype).view(sub.sizes)
+        _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, what)
+        target = dst if rows_slice is None else dst[rows_slice]
+        if out_dtype == src_dtype:
+            target.copy_(staging, non_blocking=True)
+        else:
+            target.copy_(staging.to(device, non_blocking=True))
+        pool.release(slot, raw)
+    return dst

@@ -1,0 +1,44 @@
+"""The library's exceptions.
+
+Every error raised for a bad checkpoint is a :class:`CorruptModelCheckpointError` carrying the
+path at fault, so a caller can tell "this file is broken" apart from "I called the API wrong"
+(``ValueError``) and "the disk is gone" (``OSError``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "CorruptModelCheckpointError",
+    "ModelCheckpointError",
+    "UnknownCheckpointFormatError",
+]
+
+
+class ModelCheckpointError(Exception):
+    """Base of every error lazyckpt raises about a checkpoint."""
+
+
+class CorruptModelCheckpointError(ModelCheckpointError):
+    """The checkpoint's data or metadata is bad or inconsistent.
+
+    ``path`` is the file (or folder) at fault; the message names it and, where one key is at
+    fault, the key, and says what to do.
+    """
+
+    path: Path
+
+    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
+        self.path = Path(path)
+        text = message if str(self.path) in message else f"{self.path}: {message}"
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[type, tuple[Path, str]]:
+        # Keeps the error picklable across spawned processes.
+        return (type(self), (self.path, str(self)))
+
+
+class UnknownCheckpointFormatError(CorruptModelCheckpointError):
+    """No loader recognises the path, or the folder mixes formats with no rule to pick one."""

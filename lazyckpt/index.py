@@ -1,0 +1,167 @@
+"""The index: what a checkpoint holds and where each byte lies, built from metadata alone.
+
+Per-format loaders produce a :class:`CheckpointIndex`; everything after (planning, reading,
+delivery) works from it and knows nothing of formats. A tensor is a global shape and dtype plus
+one or more *copies*, each a set of chunks that tiles the global shape. Every chunk says where its
+elements lie: a region of a file (byte offset and element strides), a region still to be located
+(DCP chunks are small torch zips whose layout is read only when a rank needs that chunk), or a
+tensor already in memory (``reshard_tensor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import torch
+
+__all__ = [
+    "CheckpointIndex",
+    "Chunk",
+    "FileRegion",
+    "LazyRegion",
+    "TensorEntry",
+    "add_entry",
+    "contiguous_strides",
+]
+
+
+def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major element strides of a tensor of ``sizes``."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(sizes[d + 1], 1)
+    return tuple(strides)
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """Where a chunk's elements lie in a file: element ``i`` (a multi-index) is at byte
+    ``byte_offset + itemsize * sum(i[d] * strides[d])``."""
+
+    path: Path
+    byte_offset: int
+    strides: tuple[int, ...]
+
+
+@dataclass
+class LazyRegion:
+    """A region found only when first needed, so that planning never opens the file.
+
+    ``locate`` validates what it finds (and raises ``CorruptModelCheckpointError``); its result
+    is kept.
+    """
+
+    path: Path
+    locate: Callable[[], FileRegion]
+    _found: FileRegion | None = field(default=None, repr=False)
+
+    def resolve(self) -> FileRegion:
+        if self._found is None:
+            self._found = self.locate()
+        return self._found
+
+
+ChunkData = Union[FileRegion, LazyRegion, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of the global tensor: ``offsets`` and ``sizes`` per dim, and where it is stored."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: ChunkData
+
+    @property
+    def path(self) -> Path | None:
+        """The file holding the chunk (``None`` for an in-memory tensor)."""
+        return None if isinstance(self.data, torch.Tensor) else self.data.path
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One key: dtype, global shape, and the copies that each tile it.
+
+    ``copies`` has one element for ordinary checkpoints; model-parallel sources give a replicated
+    key one copy per rank file, so a reader can pick the copy in a file it reads anyway and
+    compare the others.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    copies: tuple[tuple[Chunk, ...], ...]
+    source_key: str | None = None
+    """The key's name in the checkpoint when ``key_map`` renamed it."""
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return self.copies[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def display_key(self) -> str:
+        if self.source_key is not None and self.source_key != self.key:
+            return f"{self.key!r} (checkpoint key {self.source_key!r})"
+        return repr(self.key)
+
+
+@dataclass
+class CheckpointIndex:
+    """Everything known about a checkpoint before any tensor byte is read."""
+
+    path: Path
+    """What the user passed (file or folder)."""
+    format: str
+    """Loader name, e.g. ``safetensors``, ``torch``, ``fairscale``, ``dcp``."""
+    entries: dict[str, TensorEntry]
+    """Keys in checkpoint order."""
+    files: list[Path]
+    """Every file the checkpoint consists of, in a stable order."""
+    source_layout: str = ""
+    """Human description of how the source is split (``MP-8``, ``3 files``, ...)."""
+    notes: list[str] = field(default_factory=list)
+    """Things worth telling a user who inspects it (ignored files, guesses made)."""
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Free-form format metadata (safetensors ``__metadata__``, ``params.json`` ...)."""
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return iter(self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry) -> None:
+    """Add ``entry``, refusing two checkpoint keys that ``key_map`` sent to one name."""
+    old = entries.get(entry.key)
+    if old is not None:
+        raise ValueError(
+            f"options.key_map maps both {old.source_key!r} and {entry.source_key!r} to "
+            f"{entry.key!r}; each key must keep a name of its own"
+        )
+    entries[entry.key] = entry

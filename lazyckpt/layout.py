@@ -1,0 +1,114 @@
+"""The target layout: which tensor-parallel and data-parallel rank we load for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Layout"]
+
+_DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel")
+_TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A target rank in a TP x FSDP grid.
+
+    Each key's tensor is cut with ``torch.chunk`` on its TP shard dim for ``tp_rank``, then the
+    result on dim 0 for ``dp_rank`` (FSDP2's rule); see DESIGN.md "What a target rank receives".
+    """
+
+    tp_size: int = 1
+    """Number of tensor-parallel ranks."""
+    tp_rank: int = 0
+    """This process's tensor-parallel rank, in ``[0, tp_size)``."""
+    dp_size: int = 1
+    """Number of FSDP (dim-0 sharding) ranks."""
+    dp_rank: int = 0
+    """This process's FSDP rank, in ``[0, dp_size)``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "tp_rank", "dp_size", "dp_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Layout.{name} must be an int, got {value!r}")
+        for size, rank in (("tp_size", "tp_rank"), ("dp_size", "dp_rank")):
+            n, r = getattr(self, size), getattr(self, rank)
+            if n < 1:
+                raise ValueError(f"Layout.{size} must be >= 1, got {n}")
+            if not 0 <= r < n:
+                raise ValueError(f"Layout.{rank} must be in [0, {size}={n}), got {r}")
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when every rank receives whole tensors."""
+        return self.tp_size == 1 and self.dp_size == 1
+
+    def __str__(self) -> str:
+        return f"tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}"
+
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: DeviceMesh,
+        *,
+        tp_dim: str | int | None = None,
+        dp_dim: str | int | None = None,
+    ) -> Layout:
+        """This process's layout on a ``DeviceMesh``.
+
+        ``tp_dim``/``dp_dim`` name (or index) the mesh dims; left out, they are looked up by the
+        usual names (``tp``; ``dp``, ``dp_shard``, ``fsdp``). A 1-D unnamed mesh needs one of
+        them spelled out, since nothing says whether it is TP or FSDP.
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        if tp_dim is None and dp_dim is None:
+            tp_dim = next((n for n in _TP_DIM_NAMES if n in names), None)
+            dp_dim = next((n for n in _DP_DIM_NAMES if n in names), None)
+            if tp_dim is None and dp_dim is None:
+                raise ValueError(
+                    f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "
+                    f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index)"
+                )
+        tp_size, tp_rank = _mesh_dim(mesh, tp_dim, names, "tp_dim")
+        dp_size, dp_rank = _mesh_dim(mesh, dp_dim, names, "dp_dim")
+        return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
+
+    @classmethod
+    def from_groups(
+        cls, *, tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None
+    ) -> Layout:
+        """This process's layout from its TP and DP process groups (either may be left out)."""
+        import torch.distributed as dist
+
+        def size_rank(group: Any) -> tuple[int, int]:
+            if group is None:
+                return 1, 0
+            return dist.get_world_size(group), dist.get_rank(group)
+
+        tp_size, tp_rank = size_rank(tp_group)
+        dp_size, dp_rank = size_rank(dp_group)
+        return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
+
+
+def _mesh_dim(
+    mesh: DeviceMesh, dim: str | int | None, names: tuple[str, ...], arg: str
+) -> tuple[int, int]:
+    if dim is None:
+        return 1, 0
+    if isinstance(dim, str):
+        if dim not in names:
+            raise ValueError(f"Layout.from_mesh: {arg}={dim!r} is not a mesh dim name {names}")
+        index = names.index(dim)
+    else:
+        index = dim
+        if not 0 <= index < mesh.ndim:
+            raise ValueError(
+                f"Layout.from_mesh: {arg}={dim} is out of range for a {mesh.ndim}-D mesh"
+            )
+    return mesh.size(index), mesh.get_local_rank(index)

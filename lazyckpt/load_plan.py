@@ -1,0 +1,151 @@
+"""Plan a whole load before reading: every key's box, copy and pieces, all checks done.
+
+Planning is cheap (integers only), so doing it for every key up front is what lets ``lazy_load``
+validate eagerly: a gap in a DCP tiling or a shard dim out of range fails when ``lazy_load`` is
+called, not an hour into the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, Chunk, TensorEntry
+from lazyckpt.layout import Layout
+from lazyckpt.plan import (
+    Box,
+    Piece,
+    PlanError,
+    check_tiling,
+    normalize_dim,
+    plan_pieces,
+    target_box,
+)
+
+__all__ = ["TensorPlan", "check_shard_dims", "plan_entry", "plan_load"]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How to build one key's target tensor."""
+
+    entry: TensorEntry
+    shard_dim: int | None
+    """The key's TP dim (normalized), or None when it is replicated across TP ranks."""
+    box: Box
+    """The target box in global coordinates."""
+    copy: int
+    """Which of ``entry.copies`` to read."""
+    pieces: tuple[Piece, ...]
+    verify: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
+    """Other copies to read the same box from and compare (replica checks)."""
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return self.entry.copies[self.copy]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the target box in the source dtype."""
+        return self.box.numel * self.entry.dtype.itemsize
+
+    @property
+    def may_be_view(self) -> bool:
+        """True when the box is all of one chunk's piece; the reader decides if it is dense."""
+        return len(self.pieces) == 1 and self.pieces[0].sizes == self.box.sizes and not self.verify
+
+    def files(self) -> set[Path]:
+        return _files(self.chunks, self.pieces)
+
+
+def _files(chunks: tuple[Chunk, ...], pieces: tuple[Piece, ...]) -> set[Path]:
+    return {p for p in (chunks[piece.chunk].path for piece in pieces) if p is not None}
+
+
+def check_shard_dims(shard_dims: Mapping[str, int]) -> None:
+    """Reject shard dims that are not ints, before anything is read."""
+    if not isinstance(shard_dims, Mapping):
+        raise ValueError(
+            f"shard_dims must be a mapping of key to dim, got {type(shard_dims).__name__}"
+        )
+    for key, dim in shard_dims.items():
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ValueError(f"shard_dims[{key!r}] must be an int, got {dim!r}")
+
+
+def _where(index_path: Path, entry: TensorEntry) -> Path:
+    paths = {c.path for copy in entry.copies for c in copy if c.path is not None}
+    return next(iter(paths)) if len(paths) == 1 else index_path
+
+
+def plan_entry(
+    entry: TensorEntry, shard_dims: Mapping[str, int], layout: Layout, where: Path
+) -> tuple[int | None, Box, list[tuple[Piece, ...]]]:
+    """Shard dim, target box and the pieces of every copy of ``entry``; checks the tilings."""
+    dim = shard_dims.get(entry.key)
+    if dim is not None:
+        try:
+            dim = normalize_dim(dim, len(entry.shape))
+        except PlanError:
+            raise ValueError(
+                f"shard_dims[{entry.key!r}] = {dim} is out of range for its {len(entry.shape)}-D "
+                f"tensor of shape {entry.shape}; fix the shard dims"
+            ) from None
+    for copy in entry.copies:
+        try:
+            check_tiling(entry.shape, [Box(c.offsets, c.sizes) for c in copy])
+        except PlanError as exc:
+            raise CorruptModelCheckpointError(where, f"key {entry.display_key}: {exc}") from None
+    box = target_box(
+        entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank
+    )
+    pieces = [
+        tuple(plan_pieces(box, [Box(c.offsets, c.sizes) for c in copy])) for copy in entry.copies
+    ]
+    return dim, box, pieces
+
+
+def plan_load(
+    index: CheckpointIndex,
+    shard_dims: Mapping[str, int],
+    layout: Layout,
+    *,
+    verify_replicas: bool = True,
+    verify_max_bytes: int = 16 << 20,
+) -> list[TensorPlan]:
+    """Plan every key of ``index`` for ``layout``.
+
+    A replicated key (several copies) is read from a file this rank reads anyway for its sharded
+    keys, so MP-8 into TP-8 rank 3 opens one file; the other copies in such files are compared
+    when ``verify_replicas`` is on and the tensor is small enough.
+    """
+    planned = []
+    used: set[Path] = set()
+    for entry in index:
+        dim, box, pieces = plan_entry(entry, shard_dims, layout, _where(index.path, entry))
+        planned.append((entry, dim, box, pieces))
+        if len(entry.copies) == 1:
+            used |= _files(entry.copies[0], pieces[0])
+
+    plans = []
+    for entry, dim, box, pieces in planned:
+        if len(entry.copies) == 1:
+            plans.append(TensorPlan(entry, dim, box, 0, pieces[0]))
+            continue
+        inside = [i for i, p in enumerate(pieces) if _files(entry.copies[i], p) <= used]
+        if inside:
+            chosen = inside[0]
+        else:
+            # Nothing else is read (a checkpoint of replicas only): spread ranks over the copies.
+            chosen = layout.tp_rank * len(entry.copies) // layout.tp_size
+        verify: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
+        if verify_replicas and entry.nbytes <= verify_max_bytes:
+            verify = tuple((i, pieces[i]) for i in inside if i != chosen)
+        plans.append(TensorPlan(entry, dim, box, chosen, pieces[chosen], verify))
+    return plans

@@ -1,0 +1,186 @@
+"""The loader interface and the one pipeline every format shares.
+
+A format loader only builds a :class:`CheckpointIndex` from metadata. :class:`IndexedCheckpointLoader`
+then validates and plans the whole load eagerly, and streams: for each key, in checkpoint order,
+read the planned pieces into one buffer (or yield a view), cast, move, yield.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import final
+
+import torch
+from tqdm.auto import tqdm
+
+from lazyckpt.build import PinnedPool, build_tensor, output_dtype
+from lazyckpt.deliver import Deliverer
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, TensorEntry
+from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
+from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
+from lazyckpt.prefetch import prefetched
+from lazyckpt.read import Reader
+from lazyckpt.stats import LoadStats
+
+__all__ = ["IndexedCheckpointLoader", "KeyRules", "ModelCheckpointLoader", "check_path"]
+
+
+class ModelCheckpointLoader(ABC):
+    """Loads a checkpoint lazily: one ``(key, tensor)`` at a time, resharded for a target rank."""
+
+    @abstractmethod
+    def lazy_load(
+        self,
+        path: str | os.PathLike[str],
+        shard_dims: Mapping[str, int],
+        options: ModelCheckpointLoadOptions | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every key of the checkpoint, once, in checkpoint order, as the target rank's
+        part of the tensor (DESIGN.md, "What a target rank receives").
+
+        ``shard_dims`` maps a key to its tensor-parallel dim; other keys are replicated across
+        TP ranks. Bad input raises when this is called, not at the first ``next()``:
+        ``FileNotFoundError`` for a missing path, ``ValueError`` for a bad layout or shard dim,
+        :class:`CorruptModelCheckpointError` for bad checkpoint data.
+        """
+
+    @abstractmethod
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        """True when this loader recognises ``path`` (reads file names and magic bytes only)."""
+
+
+class KeyRules:
+    """Key renaming and shard-dim lookup as a format loader sees them: by checkpoint key."""
+
+    def __init__(self, shard_dims: Mapping[str, int], key_map: KeyMap | None) -> None:
+        self.shard_dims = shard_dims
+        self.key_map = key_map
+
+    def target(self, source_key: str) -> str | None:
+        """The key's name after ``key_map`` (``None``: dropped)."""
+        return apply_key_map(self.key_map, source_key)
+
+    def shard_dim(self, source_key: str) -> int | None:
+        target = self.target(source_key)
+        return None if target is None else self.shard_dims.get(target)
+
+
+def check_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a ``Path``, or ``FileNotFoundError`` naming it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    p = Path(path)
+    try:
+        p.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{p}: no such checkpoint file or folder") from None
+    except OSError as exc:
+        raise CorruptModelCheckpointError(p, f"cannot be opened: {exc.strerror or exc}") from None
+    return p
+
+
+class IndexedCheckpointLoader(ModelCheckpointLoader):
+    """A loader defined by the index it builds; the pipeline is shared and final."""
+
+    name: str = ""
+
+    @abstractmethod
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        """Read metadata only and index every kept key under its target name."""
+
+    @final
+    def index(
+        self,
+        path: str | os.PathLike[str],
+        shard_dims: Mapping[str, int] | None = None,
+        options: ModelCheckpointLoadOptions | None = None,
+    ) -> CheckpointIndex:
+        """The checkpoint's index (metadata only): what ``inspect`` shows."""
+        options = options or ModelCheckpointLoadOptions()
+        shard_dims = {} if shard_dims is None else shard_dims
+        check_shard_dims(shard_dims)
+        p = check_path(path)
+        if not self.supports_path(p):
+            raise CorruptModelCheckpointError(p, f"is not a {self.name} checkpoint")
+        return self.build_index(p, KeyRules(shard_dims, options.key_map), options)
+
+    @final
+    def plan(
+        self,
+        path: str | os.PathLike[str],
+        shard_dims: Mapping[str, int] | None = None,
+        options: ModelCheckpointLoadOptions | None = None,
+    ) -> tuple[CheckpointIndex, list[TensorPlan]]:
+        """Index and plan a load without reading tensor data (a dry run)."""
+        options = options or ModelCheckpointLoadOptions()
+        shard_dims = {} if shard_dims is None else shard_dims
+        layout = options.target_layout()
+        index = self.index(path, shard_dims, options)
+        plans = plan_load(
+            index,
+            shard_dims,
+            layout,
+            verify_replicas=options.verify_replicas,
+            verify_max_bytes=options.verify_replicas_max_bytes,
+        )
+        return index, plans
+
+    @final
+    def lazy_load(
+        self,
+        path: str | os.PathLike[str],
+        shard_dims: Mapping[str, int],
+        options: ModelCheckpointLoadOptions | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        options = options or ModelCheckpointLoadOptions()
+        _, plans = self.plan(path, shard_dims, options)
+        deliverer = Deliverer(options)
+        return _stream(plans, options, deliverer)
+
+
+def _stream(
+    plans: list[TensorPlan], options: ModelCheckpointLoadOptions, deliverer: Deliverer
+) -> Iterator[tuple[str, torch.Tensor]]:
+    stats = options.stats if options.stats is not None else LoadStats()
+    device = options.target_device
+    pool = PinnedPool() if device.type == "cuda" else None
+    total = sum(p.nbytes for p in plans)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="loading",
+        disable=not options.progress,
+        leave=False,
+    )
+    stats.start()
+    with Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
+
+        def build(plan: TensorPlan) -> tuple[TensorPlan, torch.Tensor, bool]:
+            out = output_dtype(plan.entry.dtype, options.dtype)
+            tensor, is_view = build_tensor(plan, reader, out, device=device, pool=pool)
+            return plan, tensor, is_view
+
+        def cost(plan: TensorPlan) -> int:
+            return 0 if plan.may_be_view and options.mmap else plan.nbytes
+
+        for plan, tensor, is_view in prefetched(plans, build, cost, options.prefetch_bytes):
+            stats.add_delivered(plan.nbytes, view=is_view)
+            bar.update(plan.nbytes)
+            out = deliverer.deliver(plan, tensor)
+            del tensor
+            yield plan.key, out
+            del out
+        if pool is not None:
+            pool.synchronize()
+
+
+def entry_summary(entry: TensorEntry) -> str:
+    return f"{entry.key} {tuple(entry.shape)} {entry.dtype}"

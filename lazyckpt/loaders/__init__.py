@@ -1,0 +1,147 @@
+"""Format loaders and the one that detects the format and delegates.
+
+Detection reads names and magic bytes only. In a folder, a model-parallel set (DCP ``.metadata``,
+fairscale ``consolidated.NN.pth``, fairseq2 ``tp_XX/``) or a Hugging Face index file says what
+the folder is; loose ``*.safetensors`` or torch files say it otherwise. Where two answers are
+possible and neither is a known convention, detection refuses instead of guessing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import final
+
+import torch
+
+from lazyckpt.errors import UnknownCheckpointFormatError
+from lazyckpt.loader import IndexedCheckpointLoader, ModelCheckpointLoader, check_path
+from lazyckpt.loaders.dcp import DcpCheckpointLoader
+from lazyckpt.loaders.fairscale import FILE_RE as _CONSOLIDATED
+from lazyckpt.loaders.fairscale import FairscaleCheckpointLoader
+from lazyckpt.loaders.fairseq2 import Fairseq2CheckpointLoader
+from lazyckpt.loaders.safetensors import INDEX_SUFFIX as _ST_INDEX
+from lazyckpt.loaders.safetensors import SUFFIX as _ST
+from lazyckpt.loaders.safetensors import SafetensorsCheckpointLoader
+from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as _PT_INDEX
+from lazyckpt.loaders.torch_files import SUFFIXES as _PT
+from lazyckpt.loaders.torch_files import TorchCheckpointLoader
+from lazyckpt.options import ModelCheckpointLoadOptions
+
+__all__ = [
+    "DcpCheckpointLoader",
+    "DelegatingCheckpointLoader",
+    "FairscaleCheckpointLoader",
+    "Fairseq2CheckpointLoader",
+    "SafetensorsCheckpointLoader",
+    "TorchCheckpointLoader",
+    "detect_loader",
+    "get_model_checkpoint_loader",
+]
+
+SAFETENSORS = SafetensorsCheckpointLoader()
+TORCH = TorchCheckpointLoader()
+FAIRSCALE = FairscaleCheckpointLoader()
+FAIRSEQ2 = Fairseq2CheckpointLoader()
+DCP = DcpCheckpointLoader()
+
+LOADERS: tuple[IndexedCheckpointLoader, ...] = (DCP, FAIRSCALE, FAIRSEQ2, SAFETENSORS, TORCH)
+_SETS = (DCP, FAIRSCALE, FAIRSEQ2)
+
+
+def detect_loader(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
+    """The loader for ``path``; raises ``FileNotFoundError`` or
+    :class:`UnknownCheckpointFormatError` (a ``CorruptModelCheckpointError``)."""
+    p = check_path(path)
+    if p.is_file():
+        for loader in (DCP, SAFETENSORS, TORCH):
+            if loader.supports_path(p):
+                return loader
+        if p.name.endswith(".distcp"):
+            raise UnknownCheckpointFormatError(
+                p, "is one data file of a torch.distributed.checkpoint save: pass its folder"
+            )
+        raise UnknownCheckpointFormatError(
+            p,
+            "is not a checkpoint lazyckpt knows: expected .safetensors, a torch zip "
+            "(.pt/.pth/.bin), or an *.index.json",
+        )
+    if not p.is_dir():
+        raise UnknownCheckpointFormatError(p, "is neither a file nor a folder")
+    return _detect_folder(p)
+
+
+def _detect_folder(p: Path) -> IndexedCheckpointLoader:
+    names = [n for n in os.listdir(p) if not n.startswith(".") or n == ".metadata"]
+    sets = [loader for loader in _SETS if loader.supports_path(p)]
+    st_index = any(n.endswith(_ST_INDEX) for n in names)
+    pt_index = any(n.endswith(_PT_INDEX) for n in names)
+    loose_st = [n for n in names if n.endswith(_ST)]
+    loose_pt = [n for n in names if n.endswith(_PT) and not _CONSOLIDATED.fullmatch(n)]
+    if len(sets) > 1:
+        raise UnknownCheckpointFormatError(
+            p, f"holds both a {sets[0].name} and a {sets[1].name} checkpoint; keep one per folder"
+        )
+    # An index names its files explicitly; anything else beside it is ignored (and noted).
+    if st_index:
+        return SAFETENSORS
+    if pt_index:
+        return TORCH
+    if sets:
+        loose = loose_st + loose_pt
+        if loose:
+            raise UnknownCheckpointFormatError(
+                p,
+                f"holds a {sets[0].name} checkpoint and also {loose[0]}; which one is meant "
+                "is unclear: move the other files out or pass a file",
+            )
+        return sets[0]
+    if loose_st and loose_pt:
+        # Hugging Face repos ship pytorch_model*.bin beside model*.safetensors: same weights.
+        if all(n.startswith("pytorch_model") and n.endswith(".bin") for n in loose_pt):
+            return SAFETENSORS
+        raise UnknownCheckpointFormatError(
+            p,
+            f"holds both safetensors ({loose_st[0]}) and torch ({loose_pt[0]}) files with no "
+            "index to say which are the checkpoint; pass a file or an index",
+        )
+    if loose_st:
+        return SAFETENSORS
+    if loose_pt:
+        return TORCH
+    raise UnknownCheckpointFormatError(
+        p,
+        "holds no checkpoint files: expected *.safetensors, *.pt/.pth/.bin, an *.index.json, "
+        "consolidated.NN.pth, tp_XX/ shards or a DCP .metadata"
+        + (" (the folder is empty)" if not names else ""),
+    )
+
+
+@final
+class DelegatingCheckpointLoader(ModelCheckpointLoader):
+    """Detects the format of each path and hands it to that format's loader."""
+
+    def lazy_load(
+        self,
+        path: str | os.PathLike[str],
+        shard_dims: Mapping[str, int],
+        options: ModelCheckpointLoadOptions | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return detect_loader(path).lazy_load(path, shard_dims, options)
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        try:
+            detect_loader(path)
+        except (FileNotFoundError, UnknownCheckpointFormatError):
+            return False
+        return True
+
+    @staticmethod
+    def loader_for(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
+        return detect_loader(Path(path))
+
+
+def get_model_checkpoint_loader() -> ModelCheckpointLoader:
+    """The loader that detects the format of each path and delegates."""
+    return DelegatingCheckpointLoader()

@@ -1,0 +1,145 @@
+"""Shared by the one-chunk-per-key formats (safetensors, torch files): single file, folder of
+files, or a Hugging Face ``*.index.json`` naming the file of every key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, TensorEntry, add_entry
+from lazyckpt.loader import KeyRules
+from lazyckpt.paths import list_files, member_path
+
+__all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "read_hf_index"]
+
+_MAX_INDEX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor found in a file's metadata."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    region: FileRegion
+
+
+@dataclass
+class FileSet:
+    """The files of a checkpoint and, when an index names them, the keys wanted from each."""
+
+    path: Path
+    files: list[Path]
+    wanted: dict[Path, list[str]] | None = None
+    notes: list[str] | None = None
+    metadata: dict[str, str] | None = None
+
+
+def find_index_file(folder: Path, suffix: str, preferred: str) -> Path | None:
+    """The folder's index file ending in ``suffix`` (``preferred`` wins among several)."""
+    found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
+    if not found:
+        return None
+    if len(found) == 1:
+        return found[0]
+    for p in found:
+        if p.name == preferred:
+            return p
+    raise CorruptModelCheckpointError(
+        folder,
+        f"has {len(found)} index files ({', '.join(sorted(p.name for p in found))}); "
+        "pass the index file you mean",
+    )
+
+
+def read_hf_index(index_path: Path, data_suffixes: tuple[str, ...]) -> FileSet:
+    """Parse a Hugging Face ``*.index.json``: ``{"metadata": {...}, "weight_map": {key: file}}``."""
+    folder = index_path.parent
+    try:
+        if index_path.stat().st_size > _MAX_INDEX_BYTES:
+            raise CorruptModelCheckpointError(index_path, "is too large to be an index file")
+        doc = json.loads(index_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptModelCheckpointError(index_path, f"is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise CorruptModelCheckpointError(
+            index_path, 'has no "weight_map" object mapping each key to its file'
+        )
+    wanted: dict[Path, list[str]] = {}
+    by_name: dict[str, Path] = {}
+    for key, name in doc["weight_map"].items():
+        if name not in by_name:
+            by_name[name] = member_path(folder, name, cited_by=index_path)
+        wanted.setdefault(by_name[name], []).append(key)
+    files = sorted(wanted, key=lambda p: p.name)
+    listed = {p.name for p in files}
+    notes = [
+        f"ignored {p.name}: not listed in {index_path.name}"
+        for p in sorted(folder.iterdir())
+        if p.name.endswith(data_suffixes) and p.name not in listed and p.is_file()
+    ]
+    metadata = doc.get("metadata")
+    meta = {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+    return FileSet(index_path, files, wanted, notes, meta)
+
+
+def folder_file_set(folder: Path, suffixes: tuple[str, ...]) -> FileSet:
+    files = list_files(folder, suffixes)
+    if not files:
+        raise CorruptModelCheckpointError(folder, f"holds no {'/'.join(suffixes)} file")
+    return FileSet(folder, files)
+
+
+def build_file_set_index(
+    file_set: FileSet,
+    fmt: str,
+    read_file: Callable[[Path], Sequence[FileTensor]],
+    rules: KeyRules,
+) -> CheckpointIndex:
+    """Index every file of ``file_set`` (keys in file order, files in name order)."""
+    entries: dict[str, TensorEntry] = {}
+    seen: dict[str, Path] = {}
+    metadata = dict(file_set.metadata or {})
+    for path in file_set.files:
+        tensors = read_file(path)
+        if file_set.wanted is not None:
+            wanted = file_set.wanted[path]
+            found = {t.key for t in tensors}
+            missing = [k for k in wanted if k not in found]
+            if missing:
+                raise CorruptModelCheckpointError(
+                    path,
+                    f"lacks key {missing[0]!r} that {file_set.path.name} places in it"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    + "; the index and the files disagree: download them again",
+                )
+            keep = set(wanted)
+            tensors = [t for t in tensors if t.key in keep]
+        for t in tensors:
+            if t.key in seen:
+                raise CorruptModelCheckpointError(
+                    path,
+                    f"key {t.key!r} is in both {seen[t.key].name} and {path.name}; a folder "
+                    "without an index must hold each key once: remove the duplicate file",
+                )
+            seen[t.key] = path
+            target = rules.target(t.key)
+            if target is None:
+                continue
+            chunk = Chunk((0,) * len(t.shape), t.shape, t.region)
+            add_entry(entries, TensorEntry(target, t.dtype, t.shape, ((chunk,),), t.key))
+    return CheckpointIndex(
+        path=file_set.path,
+        format=fmt,
+        entries=entries,
+        files=list(file_set.files),
+        source_layout=f"{len(file_set.files)} file(s)" + (" via index" if file_set.wanted else ""),
+        notes=list(file_set.notes or []),
+        metadata=metadata,
+    )

@@ -1,0 +1,270 @@
+"""torch.distributed.checkpoint folders: ``.metadata`` plus ``*.distcp`` data files.
+
+``.metadata`` is a pickle; we read it with an allow-list of the DCP metadata classes, so a
+hostile file cannot run code. It gives every tensor's global shape and its chunks' global
+offsets, and for each chunk the file, byte offset and length of a small ``torch.save`` zip
+holding it. That inner zip is opened only when a rank needs the chunk, and then only the bytes of
+the target box are copied out of its storage record. Megatron's ``torch_dist`` format is this.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pathlib
+import pickle
+from pathlib import Path
+from typing import Any, final
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, LazyRegion, TensorEntry, add_entry
+from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.paths import member_path
+from lazyckpt.torch_zip import StoredTensor, read_torch_archive, restricted_find_class
+
+__all__ = ["DcpCheckpointLoader", "read_dcp_metadata"]
+
+METADATA = ".metadata"
+_MAX_METADATA_BYTES = 1 << 30
+
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: Path, restrict: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self._path = path
+        self._restrict = restrict
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            from torch.serialization import _get_layout
+
+            return _get_layout
+        if module == "pathlib" and name in (
+            "Path",
+            "PosixPath",
+            "WindowsPath",
+            "PurePosixPath",
+            "PureWindowsPath",
+        ):
+            return getattr(pathlib, name)
+        found = restricted_find_class(module, name)
+        if found is not None and module in ("torch", "builtins", "collections", "_codecs"):
+            return found
+        if self._restrict:
+            raise CorruptModelCheckpointError(
+                self._path,
+                f"refers to the global '{module}.{name}', which is not a DCP metadata class; "
+                "unpickling it could run code from the file. If you trust the checkpoint, load "
+                "with restrict=False",
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
+    """The ``Metadata`` object of a DCP ``.metadata`` file, unpickled with an allow-list."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptModelCheckpointError(path, "is missing: the DCP save did not finish") from None
+    if size > _MAX_METADATA_BYTES:
+        raise CorruptModelCheckpointError(path, f"is {size} bytes, too large for DCP metadata")
+    data = path.read_bytes()
+    try:
+        meta = _MetadataUnpickler(data, path, restrict).load()
+    except CorruptModelCheckpointError:
+        raise
+    except Exception as exc:  # any malformed pickle is a file problem, never a crash
+        raise CorruptModelCheckpointError(
+            path, f"cannot be unpickled ({type(exc).__name__}: {exc}); the file is damaged"
+        ) from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata):
+        raise CorruptModelCheckpointError(path, f"holds a {type(meta).__name__}, not DCP Metadata")
+    return meta
+
+
+def _ints(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    return None
+
+
+@final
+class DcpCheckpointLoader(IndexedCheckpointLoader):
+    """A ``torch.distributed.checkpoint`` folder (FSDP2, 2-D FSDP2+TP, Megatron ``torch_dist``)."""
+
+    name = "dcp"
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        p = Path(path)
+        if p.is_file():
+            return p.name == METADATA
+        return p.is_dir() and (p / METADATA).is_file()
+
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        folder = path.parent if path.is_file() else path
+        meta_path = folder / METADATA
+        meta = read_dcp_metadata(meta_path, restrict=options.restrict)
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
+
+        tensors = meta.state_dict_metadata
+        storage = meta.storage_data
+        if not isinstance(tensors, dict) or not isinstance(storage, dict):
+            raise CorruptModelCheckpointError(
+                meta_path, "lacks state_dict_metadata or storage_data"
+            )
+        where: dict[tuple[str, tuple[int, ...]], Any] = {}
+        for k, info in storage.items():
+            fqn, offset = getattr(k, "fqn", None), _ints(getattr(k, "offset", None))
+            if isinstance(fqn, str) and offset is not None:
+                where[(fqn, offset)] = info
+        files: dict[str, tuple[Path, int]] = {}
+        entries: dict[str, TensorEntry] = {}
+        notes = []
+        for fqn, md in tensors.items():
+            if isinstance(md, BytesStorageMetadata):
+                notes.append(f"skipped {fqn!r}: a pickled object, not a tensor")
+                continue
+            target = rules.target(fqn) if isinstance(fqn, str) else None
+            if target is None:
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                raise CorruptModelCheckpointError(
+                    meta_path, f"key {fqn!r} has metadata of type {type(md).__name__}"
+                )
+            dtype = getattr(md.properties, "dtype", None)
+            shape = _ints(md.size)
+            if not isinstance(dtype, torch.dtype) or shape is None or any(s < 0 for s in shape):
+                raise CorruptModelCheckpointError(
+                    meta_path, f"key {fqn!r} has a bad dtype or size ({dtype!r}, {md.size!r})"
+                )
+            if not isinstance(md.chunks, list):
+                raise CorruptModelCheckpointError(meta_path, f"key {fqn!r} has no chunk list")
+            chunks = []
+            for ch in md.chunks:
+                offsets, sizes = (
+                    _ints(getattr(ch, "offsets", None)),
+                    _ints(getattr(ch, "sizes", None)),
+                )
+                if offsets is None or sizes is None:
+                    raise CorruptModelCheckpointError(
+                        meta_path, f"key {fqn!r} has a chunk without integer offsets and sizes"
+                    )
+                info = where.get((fqn, offsets))
+                if info is None:
+                    raise CorruptModelCheckpointError(
+                        meta_path,
+                        f"key {fqn!r}: the chunk at offsets {list(offsets)} has no "
+                        "storage entry; the metadata is damaged",
+                    )
+                chunks.append(
+                    Chunk(
+                        offsets,
+                        sizes,
+                        self._chunk_data(
+                            folder, meta_path, files, fqn, info, dtype, sizes, options.restrict
+                        ),
+                    )
+                )
+            add_entry(entries, TensorEntry(target, dtype, shape, (tuple(chunks),), fqn))
+        return CheckpointIndex(
+            path=folder,
+            format=self.name,
+            entries=entries,
+            files=[meta_path, *(p for p, _ in files.values())],
+            source_layout=f"{len(files)} .distcp file(s), "
+            f"{sum(len(e.chunks) for e in entries.values())} chunks",
+            notes=notes,
+        )
+
+    @staticmethod
+    def _chunk_data(
+        folder: Path,
+        meta_path: Path,
+        files: dict[str, tuple[Path, int]],
+        fqn: str,
+        info: Any,
+        dtype: torch.dtype,
+        sizes: tuple[int, ...],
+        restrict: bool,
+    ) -> LazyRegion:
+        rel, offset, length = (
+            getattr(info, a, None) for a in ("relative_path", "offset", "length")
+        )
+        if not isinstance(rel, str) or _ints((offset, length)) is None or offset < 0 or length < 0:
+            raise CorruptModelCheckpointError(
+                meta_path, f"key {fqn!r} has a malformed storage entry"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CorruptModelCheckpointError(
+                meta_path,
+                f"key {fqn!r} is stored with transforms {info.transform_descriptors} "
+                "(compression or encryption), which lazyckpt cannot read in place",
+            )
+        if rel not in files:
+            p = member_path(folder, rel, cited_by=meta_path)
+            files[rel] = (p, p.stat().st_size)
+        file, size = files[rel]
+        if offset + length > size:
+            raise CorruptModelCheckpointError(
+                file,
+                f"key {fqn!r} needs bytes [{offset}, {offset + length}) but the file has "
+                f"{size}; it is truncated: copy it again",
+            )
+        locate = functools.partial(_locate, file, offset, length, fqn, dtype, sizes, restrict)
+        return LazyRegion(file, locate)
+
+
+def _locate(
+    file: Path,
+    offset: int,
+    length: int,
+    fqn: str,
+    dtype: torch.dtype,
+    sizes: tuple[int, ...],
+    restrict: bool,
+) -> FileRegion:
+    """Open the chunk's inner torch zip and find its storage record (header reads only)."""
+    archive = read_torch_archive(file, restrict=restrict, window=(offset, length))
+    stored = archive.obj
+    if not isinstance(stored, StoredTensor):
+        raise CorruptModelCheckpointError(
+            file,
+            f"key {fqn!r}: the chunk at byte {offset} holds a {type(stored).__name__}, "
+            "not a tensor",
+        )
+    if stored.dtype != dtype or stored.sizes != sizes:
+        raise CorruptModelCheckpointError(
+            file,
+            f"key {fqn!r}: the chunk at byte {offset} is {stored.dtype} {list(stored.sizes)} "
+            f"but .metadata says {dtype} {list(sizes)}",
+        )
+    return archive.region(stored, f"key {fqn!r}")

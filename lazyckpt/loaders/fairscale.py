@@ -1,0 +1,132 @@
+"""Meta fairscale model-parallel checkpoints: ``consolidated.00.pth`` ... ``consolidated.NN.pth``.
+
+Rank ``r``'s file holds rank ``r``'s shard of every key: keys in ``shard_dims`` are concatenated
+along that dim in rank order, the others are replicas that every file holds whole (their shapes
+must agree; their bytes are compared among the files a rank reads anyway). Only the zip
+directories and pickles of the files are read to build the index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import final
+
+from lazyckpt.assemble import Cell, assemble_grid
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry
+from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.paths import member_path
+from lazyckpt.plan import PlanError
+from lazyckpt.torch_zip import flatten_state_dict, read_torch_archive
+
+__all__ = ["FairscaleCheckpointLoader", "rank_files"]
+
+FILE_RE = re.compile(r"consolidated\.(\d+)\.pth")
+
+
+def rank_files(folder: Path) -> list[Path]:
+    """The rank files of ``folder`` in rank order, checked to be numbered 0..N-1 without gaps."""
+    numbered: dict[int, list[str]] = {}
+    for name in os.listdir(folder):
+        m = FILE_RE.fullmatch(name)
+        if m:
+            numbered.setdefault(int(m.group(1)), []).append(name)
+    if not numbered:
+        raise CorruptModelCheckpointError(folder, "holds no consolidated.NN.pth file")
+    for rank, names in numbered.items():
+        if len(names) > 1:
+            raise CorruptModelCheckpointError(
+                folder, f"has several files for rank {rank} ({', '.join(sorted(names))}); keep one"
+            )
+    n = max(numbered) + 1
+    missing = [r for r in range(n) if r not in numbered]
+    if missing:
+        width = len(numbered[max(numbered)][0]) - len("consolidated..pth")
+        raise CorruptModelCheckpointError(
+            folder,
+            f"has files up to rank {n - 1} but lacks consolidated.{missing[0]:0{width}d}.pth"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; the set is incomplete",
+        )
+    widths = {len(numbered[r][0]) for r in range(n)}
+    if len(widths) > 1:
+        raise CorruptModelCheckpointError(
+            folder,
+            f"mixes rank numbers of different widths ({', '.join(numbered[r][0] for r in range(n))}); "
+            "the files come from different sets",
+        )
+    return [member_path(folder, numbered[r][0], cited_by=folder) for r in range(n)]
+
+
+@final
+class FairscaleCheckpointLoader(IndexedCheckpointLoader):
+    """A folder of Meta fairscale ``consolidated.NN.pth`` rank files (MP-N)."""
+
+    name = "fairscale"
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        p = Path(path)
+        return p.is_dir() and any(FILE_RE.fullmatch(n) for n in os.listdir(p))
+
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        files = rank_files(path)
+        ranks = []
+        for f in files:
+            archive = read_torch_archive(f, restrict=options.restrict)
+            flat = flatten_state_dict(archive.obj, f)
+            ranks.append((f, archive, flat))
+        first_file, _, first = ranks[0]
+        for f, _, flat in ranks[1:]:
+            extra = [k for k in flat if k not in first]
+            if extra:
+                raise CorruptModelCheckpointError(
+                    f,
+                    f"holds key {extra[0]!r} that {first_file.name} lacks; the rank files "
+                    "come from different checkpoints",
+                )
+        entries: dict[str, TensorEntry] = {}
+        for key in first:
+            target = rules.target(key)
+            if target is None:
+                continue
+            grid = []
+            for f, archive, flat in ranks:
+                stored = flat.get(key)
+                if stored is None:
+                    raise CorruptModelCheckpointError(
+                        f,
+                        f"lacks key {key!r}, which {first_file.name} holds; every rank file "
+                        "must hold every key",
+                    )
+                region = archive.region(stored, f"key {key!r}")
+                grid.append([Cell(stored.sizes, stored.dtype, region, f.name)])
+            try:
+                dtype, shape, copies = assemble_grid(grid, rules.shard_dim(key))
+            except PlanError as exc:
+                raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"key {key!r}: {exc}") from None
+            add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+        return CheckpointIndex(
+            path=path,
+            format=self.name,
+            entries=entries,
+            files=files,
+            source_layout=f"MP-{len(files)}",
+            metadata=_params(path),
+        )
+
+
+def _params(folder: Path) -> dict[str, str]:
+    """``params.json`` (model hyper-parameters Meta ships beside the weights), if readable."""
+    p = folder / "params.json"
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): json.dumps(v) for k, v in doc.items()} if isinstance(doc, dict) else {}

@@ -1,0 +1,138 @@
+"""fairseq2 native sharded checkpoints: ``pp_XX/tp_XX/sdp_XX.pt``.
+
+Pipeline stages hold disjoint keys (united here); within a stage, tensor-parallel shards are
+concatenated along each key's shard dim and sharded-data-parallel shards along dim 0 of the TP
+shard. The ``pp_XX`` level may be left out when there is one stage.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import final
+
+from lazyckpt.assemble import Cell, assemble_grid
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry
+from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.paths import member_path
+from lazyckpt.plan import PlanError
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, flatten_state_dict, read_torch_archive
+
+__all__ = ["Fairseq2CheckpointLoader"]
+
+_PP = re.compile(r"pp_(\d+)")
+_TP = re.compile(r"tp_(\d+)")
+_SDP = re.compile(r"sdp_(\d+)\.pt")
+
+
+def _numbered(folder: Path, pattern: re.Pattern[str], want_dir: bool) -> list[Path]:
+    """Entries of ``folder`` matching ``pattern``, checked to be numbered 0..N-1."""
+    found: dict[int, str] = {}
+    for name in os.listdir(folder):
+        m = pattern.fullmatch(name)
+        if m and (folder / name).is_dir() == want_dir:
+            n = int(m.group(1))
+            if n in found:
+                raise CorruptModelCheckpointError(
+                    folder, f"has both {found[n]} and {name} for rank {n}; keep one"
+                )
+            found[n] = name
+    if not found:
+        raise CorruptModelCheckpointError(
+            folder, f"holds no {pattern.pattern} {'folder' if want_dir else 'file'}"
+        )
+    size = max(found) + 1
+    missing = [r for r in range(size) if r not in found]
+    if missing:
+        raise CorruptModelCheckpointError(
+            folder,
+            f"has ranks up to {size - 1} but lacks rank {missing[0]} "
+            f"({pattern.pattern}); the set is incomplete",
+        )
+    return [
+        member_path(folder, found[r], cited_by=folder) if not want_dir else folder / found[r]
+        for r in range(size)
+    ]
+
+
+@final
+class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
+    """A fairseq2 folder of ``[pp_XX/]tp_XX/sdp_XX.pt`` shards."""
+
+    name = "fairseq2"
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        p = Path(path)
+        if not p.is_dir():
+            return False
+        names = os.listdir(p)
+        return any((_PP.fullmatch(n) or _TP.fullmatch(n)) and (p / n).is_dir() for n in names)
+
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        has_pp = any(_PP.fullmatch(n) and (path / n).is_dir() for n in os.listdir(path))
+        stages = _numbered(path, _PP, True) if has_pp else [path]
+        entries: dict[str, TensorEntry] = {}
+        owner: dict[str, Path] = {}
+        files: list[Path] = []
+        tp_size = sdp_size = 0
+        for stage in stages:
+            grid_files = [_numbered(tp, _SDP, False) for tp in _numbered(stage, _TP, True)]
+            tp_size = len(grid_files)
+            sdp_size = max(len(row) for row in grid_files)
+            grid = [[self._read(f, options.restrict) for f in row] for row in grid_files]
+            files += [f for row in grid_files for f in row]
+            first_file, (_, first) = grid_files[0][0], grid[0][0]
+            for row_files, row in zip(grid_files, grid):
+                for f, (_, flat) in zip(row_files, row):
+                    if flat.keys() != first.keys():
+                        odd = next(iter(set(flat) ^ set(first)))
+                        raise CorruptModelCheckpointError(
+                            f,
+                            f"key {odd!r} is in only one of {first_file} and {f}; every shard "
+                            "of a pipeline stage must hold the same keys",
+                        )
+            for key in first:
+                if key in owner:
+                    raise CorruptModelCheckpointError(
+                        stage, f"key {key!r} is also in pipeline stage {owner[key]}"
+                    )
+                owner[key] = stage
+                target = rules.target(key)
+                if target is None:
+                    continue
+                cells = [
+                    [
+                        Cell(
+                            flat[key].sizes,
+                            flat[key].dtype,
+                            archive.region(flat[key], f"key {key!r}"),
+                            str(f.relative_to(path)),
+                        )
+                        for f, (archive, flat) in zip(row_files, row)
+                    ]
+                    for row_files, row in zip(grid_files, grid)
+                ]
+                try:
+                    dtype, shape, copies = assemble_grid(cells, rules.shard_dim(key))
+                except PlanError as exc:
+                    raise CorruptModelCheckpointError(stage, f"key {key!r}: {exc}") from None
+                except ValueError as exc:
+                    raise ValueError(f"key {key!r}: {exc}") from None
+                add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+        return CheckpointIndex(
+            path=path,
+            format=self.name,
+            entries=entries,
+            files=files,
+            source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
+        )
+
+    @staticmethod
+    def _read(f: Path, restrict: bool) -> tuple[TorchArchive, dict[str, StoredTensor]]:
+        archive = read_torch_archive(f, restrict=restrict)
+        return archive, flatten_state_dict(archive.obj, f)

@@ -1,0 +1,232 @@
+"""safetensors: one file, a folder of ``*.safetensors``, or a Hugging Face index folder.
+
+The header (8-byte little-endian length, then JSON) is the whole index. We parse it ourselves so
+every malformed field becomes an error naming the file and key, and check what the Rust library
+checks: offsets in bounds, tensors packed with no hole or overlap, byte spans matching shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, final
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import CheckpointIndex, FileRegion, contiguous_strides
+from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
+from lazyckpt.loaders._files import (
+    FileSet,
+    FileTensor,
+    build_file_set_index,
+    find_index_file,
+    folder_file_set,
+    read_hf_index,
+)
+from lazyckpt.options import ModelCheckpointLoadOptions
+
+__all__ = ["SafetensorsCheckpointLoader", "read_safetensors_header"]
+
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "C128": torch.complex128,
+}
+for _name, _attr in (
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """The parsed header, the byte offset where data starts, and the file size."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise CorruptModelCheckpointError(
+                path,
+                f"is {size} bytes, shorter than the 8-byte safetensors header length; "
+                "it is empty or truncated",
+            )
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER_BYTES:
+            raise CorruptModelCheckpointError(
+                path,
+                f"declares a {n}-byte header, over the {MAX_HEADER_BYTES}-byte limit; "
+                "the file is not safetensors or is damaged",
+            )
+        if 8 + n > size:
+            raise CorruptModelCheckpointError(
+                path,
+                f"declares a {n}-byte header but the file has only {size - 8} bytes after "
+                "the length; it is truncated",
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError:
+        raise CorruptModelCheckpointError(path, "header is not UTF-8 text") from None
+    except _DuplicateKey as dup:
+        raise CorruptModelCheckpointError(path, f"header lists key {dup.args[0]!r} twice") from None
+    except json.JSONDecodeError as exc:
+        raise CorruptModelCheckpointError(path, f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptModelCheckpointError(
+            path, f"header is a JSON {type(header).__name__}, not an object"
+        )
+    return header, 8 + n, size
+
+
+def _read_file(path: Path) -> list[FileTensor]:
+    header, data_start, size = read_safetensors_header(path)
+    data_len = size - data_start
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise CorruptModelCheckpointError(
+            path, "header's __metadata__ must be an object of strings"
+        )
+    parsed = []
+    for order, (key, info) in enumerate(header.items()):
+        begin, end, tensor = _parse_entry(path, key, info, data_start, data_len)
+        parsed.append((begin, end, order, tensor))
+    # Physical order: reads run forward through the file, as the safetensors writer laid it out.
+    parsed.sort(key=lambda t: t[:3])
+    out = []
+    cursor = 0
+    for begin, end, _, tensor in parsed:
+        if begin != cursor:
+            what = (
+                "overlaps the tensor before it"
+                if begin < cursor
+                else (f"leaves a hole of {begin - cursor} bytes before it")
+            )
+            raise CorruptModelCheckpointError(
+                path,
+                f"key {tensor.key!r} (data_offsets [{begin}, {end}]) {what}; the header is damaged",
+            )
+        cursor = end
+        out.append(tensor)
+    if cursor != data_len:
+        raise CorruptModelCheckpointError(
+            path,
+            f"tensors end at byte {cursor} of the data but the data has {data_len} bytes; "
+            "the file has trailing bytes or a truncated header",
+        )
+    return out
+
+
+def _parse_entry(
+    path: Path, key: str, info: Any, data_start: int, data_len: int
+) -> tuple[int, int, FileTensor]:
+    def bad(msg: str) -> CorruptModelCheckpointError:
+        return CorruptModelCheckpointError(path, f"key {key!r}: {msg}")
+
+    if not isinstance(info, dict):
+        raise bad("entry is not an object with dtype, shape and data_offsets")
+    dtype_name = info.get("dtype")
+    if dtype_name not in _DTYPES:
+        raise bad(f"unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    offsets = info.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_int(o) and o >= 0 for o in offsets)
+    ):
+        raise bad(f"data_offsets {offsets!r} is not a pair of non-negative integers")
+    begin, end = offsets
+    if end < begin:
+        raise bad(f"data_offsets [{begin}, {end}] end before they begin")
+    if end > data_len:
+        raise bad(
+            f"data_offsets [{begin}, {end}] run past the {data_len} data bytes; the file is truncated"
+        )
+    dtype = _DTYPES[dtype_name]
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * dtype.itemsize != end - begin:
+        raise bad(
+            f"shape {shape} of {dtype_name} needs {numel * dtype.itemsize} bytes but data_offsets "
+            f"span {end - begin}"
+        )
+    sizes = tuple(shape)
+    region = FileRegion(path, data_start + begin, contiguous_strides(sizes))
+    return begin, end, FileTensor(key, dtype, sizes, region)
+
+
+@final
+class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
+    """safetensors files, folders and Hugging Face ``model.safetensors.index.json`` folders."""
+
+    name = "safetensors"
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        p = Path(path)
+        if p.is_file():
+            return p.name.endswith((SUFFIX, INDEX_SUFFIX))
+        if p.is_dir():
+            return any(
+                c.name.endswith((SUFFIX, INDEX_SUFFIX)) and not c.name.startswith(".")
+                for c in p.iterdir()
+            )
+        return False
+
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        return build_file_set_index(self.file_set(path), self.name, _read_file, rules)
+
+    @staticmethod
+    def file_set(path: Path) -> FileSet:
+        if path.is_file():
+            if path.name.endswith(INDEX_SUFFIX):
+                return read_hf_index(path, (SUFFIX,))
+            return FileSet(path, [path])
+        index = find_index_file(path, INDEX_SUFFIX, "model" + INDEX_SUFFIX)
+        if index is not None:
+            return read_hf_index(index, (SUFFIX,))
+        return folder_file_set(path, (SUFFIX,))

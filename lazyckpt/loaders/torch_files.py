@@ -1,0 +1,80 @@
+"""``torch.save`` files: one file, a folder of them, or ``pytorch_model.bin.index.json``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import final
+
+from lazyckpt.index import CheckpointIndex
+from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
+from lazyckpt.loaders._files import (
+    FileSet,
+    FileTensor,
+    build_file_set_index,
+    find_index_file,
+    folder_file_set,
+    read_hf_index,
+)
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.torch_zip import ZIP_MAGIC, flatten_state_dict, read_torch_archive
+
+__all__ = ["TorchCheckpointLoader", "read_torch_file"]
+
+SUFFIXES = (".pt", ".pth", ".bin")
+INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+
+
+def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
+    """The tensors of one torch file, in pickle order, located but not read."""
+    archive = read_torch_archive(path, restrict=restrict)
+    return [
+        FileTensor(key, t.dtype, t.sizes, archive.region(t, f"key {key!r}"))
+        for key, t in flatten_state_dict(archive.obj, path).items()
+    ]
+
+
+def _has_zip_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == ZIP_MAGIC
+    except OSError:
+        return False
+
+
+@final
+class TorchCheckpointLoader(IndexedCheckpointLoader):
+    """``torch.save`` zip files (``.pt``, ``.pth``, ``.bin``), folders and HF index folders."""
+
+    name = "torch"
+
+    def supports_path(self, path: str | os.PathLike[str]) -> bool:
+        p = Path(path)
+        if p.is_file():
+            return p.name.endswith(SUFFIXES + INDEX_SUFFIXES) or _has_zip_magic(p)
+        if p.is_dir():
+            return any(
+                c.name.endswith(SUFFIXES + INDEX_SUFFIXES) and not c.name.startswith(".")
+                for c in p.iterdir()
+            )
+        return False
+
+    def build_index(
+        self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
+    ) -> CheckpointIndex:
+        def read(p: Path) -> list[FileTensor]:
+            return read_torch_file(p, restrict=options.restrict)
+
+        return build_file_set_index(self.file_set(path), self.name, read, rules)
+
+    @staticmethod
+    def file_set(path: Path) -> FileSet:
+        if path.is_file():
+            if path.name.endswith(INDEX_SUFFIXES):
+                return read_hf_index(path, SUFFIXES)
+            return FileSet(path, [path])
+        for suffix in INDEX_SUFFIXES:
+            index = find_index_file(path, suffix, "pytorch_model" + suffix)
+            if index is not None:
+                return read_hf_index(index, SUFFIXES)
+        return folder_file_set(path, SUFFIXES)

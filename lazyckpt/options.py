@@ -1,0 +1,115 @@
+"""Options of a load, validated when built so a typo fails before any file is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from lazyckpt.layout import Layout
+from lazyckpt.stats import LoadStats
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map"]
+
+MiB = 1 << 20
+
+KeyMap = Union[Mapping[str, str | None], Callable[[str], str | None]]
+"""Renames checkpoint keys: a mapping (keys not in it stay as they are) or a function; a
+``None`` result drops the key."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelCheckpointLoadOptions:
+    """How to load: for which rank, into what dtype and device, and how careful to be."""
+
+    layout: Layout | None = None
+    """The target rank; ``None`` loads whole tensors."""
+    mmap: bool = True
+    """Map files and copy from the mapping (zero-copy views where possible). ``False`` reads with
+    ``pread`` straight into the destination, which suits network filesystems."""
+    restrict: bool = True
+    """Unpickle torch files with an allow-list (tensors, containers, dtypes only). ``False``
+    allows any global, which runs code from the file: only for files you trust."""
+    key_map: KeyMap | None = None
+    """Renames or drops keys before any tensor data is read; ``shard_dims`` uses the new names."""
+    device: torch.device | str | None = None
+    """Where yielded tensors live; ``None`` is the CPU. A CUDA device stages through a small pool
+    of pinned buffers."""
+    dtype: torch.dtype | None = None
+    """Cast floating-point tensors to this dtype while copying; integer and bool tensors keep
+    theirs. ``None`` keeps the checkpoint's dtypes."""
+    prefetch_bytes: int = 32 * MiB
+    """Budget of a background thread that builds the next tensors while the caller works on the
+    current one; a tensor larger than the budget is built on demand. 0 turns it off."""
+    verify_replicas: bool = True
+    """For model-parallel sources, compare the copies of a replicated key (up to
+    ``verify_replicas_max_bytes``) among the files this rank reads anyway."""
+    verify_replicas_max_bytes: int = 16 * MiB
+    """Largest replicated tensor whose copies are compared byte for byte."""
+    stats: LoadStats | None = None
+    """Filled in place with bytes read per file, bytes delivered and time."""
+    progress: bool = False
+    """Show a tqdm progress bar (bytes delivered) on stderr."""
+    mesh: DeviceMesh | None = None
+    """When set, yield DTensors on this mesh: ``Shard(dim)`` on its TP dim for keys in
+    ``shard_dims``, ``Shard(0)`` on its DP dim. The layout is then taken from the mesh."""
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise ValueError(f"options.layout must be a lazyckpt.Layout, got {self.layout!r}")
+        for name in ("mmap", "restrict", "verify_replicas", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"options.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"options.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"options.device {self.device!r} is not a device: {exc}") from exc
+        for name in ("prefetch_bytes", "verify_replicas_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"options.{name} must be an int >= 0, got {value!r}")
+        if self.key_map is not None and not (
+            isinstance(self.key_map, Mapping) or callable(self.key_map)
+        ):
+            raise ValueError(
+                f"options.key_map must be a mapping or a function, got {self.key_map!r}"
+            )
+        if self.stats is not None and not isinstance(self.stats, LoadStats):
+            raise ValueError(f"options.stats must be a lazyckpt.LoadStats, got {self.stats!r}")
+
+    @property
+    def target_device(self) -> torch.device:
+        return torch.device("cpu") if self.device is None else torch.device(self.device)
+
+    def target_layout(self) -> Layout:
+        if self.mesh is not None:
+            layout = Layout.from_mesh(self.mesh)
+            if self.layout is not None and self.layout != layout:
+                raise ValueError(
+                    f"options.layout ({self.layout}) disagrees with options.mesh ({layout}); "
+                    "give one of them"
+                )
+            return layout
+        return self.layout if self.layout is not None else Layout()
+
+
+def apply_key_map(key_map: KeyMap | None, key: str) -> str | None:
+    """The new name of ``key`` (``None``: dropped)."""
+    if key_map is None:
+        return key
+    if isinstance(key_map, Mapping):
+        return key_map.get(key, key)
+    new = key_map(key)
+    if new is not None and not isinstance(new, str):
+        raise ValueError(
+            f"options.key_map returned {new!r} for {key!r}; it must return a str or None"
+        )
+    return new

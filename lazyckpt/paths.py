@@ -1,0 +1,84 @@
+"""Safe file lookup inside a checkpoint folder.
+
+Index files and folder listings name files; a hostile or damaged one can name ``../../etc``, an
+absolute path, or a symlink leading elsewhere (or in a loop). Every member a loader opens goes
+through :func:`member_path`. The one outside target allowed is a Hugging Face cache blob: hub
+snapshots are folders of symlinks into ``../../blobs``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from lazyckpt.errors import CorruptModelCheckpointError
+
+__all__ = ["list_files", "member_path"]
+
+
+def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
+    """``folder / name`` after checking it is a regular file that stays inside ``folder``.
+
+    ``cited_by`` is the file (index) or folder that named it, for the error message.
+    """
+    if not isinstance(name, str) or not name:
+        raise CorruptModelCheckpointError(
+            cited_by, f"names the file {name!r}, which is not a file name"
+        )
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if (
+        posix.is_absolute()
+        or windows.is_absolute()
+        or windows.drive
+        or ".." in posix.parts
+        or (".." in windows.parts)
+    ):
+        raise CorruptModelCheckpointError(
+            cited_by,
+            f"names the file {name!r}, which lies outside the checkpoint folder; "
+            "an index may only name files inside its own folder",
+        )
+    full = folder / name
+    try:
+        resolved = full.resolve(strict=True)
+    except FileNotFoundError:
+        raise CorruptModelCheckpointError(
+            cited_by,
+            f"names the file {name!r}, which is missing from {folder}; the download "
+            "or copy is incomplete",
+        ) from None
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError up to 3.12, OSError after
+        raise CorruptModelCheckpointError(
+            full, f"cannot be resolved ({exc}): a symlink loop?"
+        ) from None
+    root = folder.resolve()
+    if not (resolved.is_relative_to(root) or _is_hub_blob(root, resolved)):
+        raise CorruptModelCheckpointError(
+            full,
+            f"is a symlink to {resolved}, outside the checkpoint folder {root}; copy the file "
+            "into the folder",
+        )
+    if not resolved.is_file():
+        raise CorruptModelCheckpointError(full, "is not a regular file")
+    return full
+
+
+def _is_hub_blob(root: Path, resolved: Path) -> bool:
+    """True for ``<repo>/blobs/<hash>`` when ``root`` is ``<repo>/snapshots/<revision>``."""
+    return root.parent.name == "snapshots" and resolved.parent == root.parent.parent / "blobs"
+
+
+def list_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files of ``folder`` (not recursive) ending in one of ``suffixes``, sorted by name, each
+    checked by :func:`member_path`. Hidden files are skipped."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as exc:
+        raise CorruptModelCheckpointError(
+            folder, f"cannot be listed: {exc.strerror or exc}"
+        ) from None
+    return [
+        member_path(folder, n, cited_by=folder)
+        for n in names
+        if n.endswith(suffixes) and not n.startswith(".")
+    ]

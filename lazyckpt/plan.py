@@ -1,0 +1,274 @@
+"""Pure integer planning: which box a rank receives and which source pieces fill it.
+
+Nothing here touches a file or a tensor, so all of it is tested with integers alone. Errors are
+:class:`PlanError` (a ``ValueError``) with a message about the shapes; callers add the file and
+key when they turn them into checkpoint errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Box",
+    "PlanError",
+    "Piece",
+    "Runs",
+    "check_tiling",
+    "chunk_bounds",
+    "contiguous_runs",
+    "intersect",
+    "plan_pieces",
+    "target_box",
+]
+
+
+class PlanError(ValueError):
+    """Shapes that cannot be planned: bad dims, gaps, overlaps, mismatched chunks."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of a tensor: ``offsets[d] <= i[d] < offsets[d] + sizes[d]``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+
+def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``torch.chunk(range(n), parts)[index]``, empty past the last chunk.
+
+    ``torch.chunk`` gives each chunk ``ceil(n / parts)`` elements and may make fewer than
+    ``parts`` chunks (5 over 4 gives 2, 2, 1); a rank past the end gets ``(n, n)``, as DTensor's
+    ``Shard`` does.
+    """
+    if parts < 1 or not 0 <= index < parts:
+        raise PlanError(f"chunk index {index} is out of range for {parts} parts")
+    step = -(-n // parts)
+    start = min(index * step, n)
+    return start, min(start + step, n)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """``dim`` in ``[0, ndim)``, accepting negative dims as torch does."""
+    if not -ndim <= dim < ndim:
+        raise PlanError(f"shard dim {dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+def target_box(
+    shape: Sequence[int],
+    shard_dim: int | None,
+    tp_size: int,
+    tp_rank: int,
+    dp_size: int,
+    dp_rank: int,
+) -> Box:
+    """The box of the global tensor that a rank receives (DESIGN.md, "What a target rank
+    receives"): TP chunk on ``shard_dim``, then FSDP chunk of that on dim 0.
+
+    A 0-d tensor cannot be chunked, so every rank receives it whole (FSDP2 replicates scalars).
+    """
+    offsets = [0] * len(shape)
+    sizes = list(shape)
+    if shard_dim is not None and tp_size > 1:
+        d = normalize_dim(shard_dim, len(shape))
+        start, stop = chunk_bounds(shape[d], tp_size, tp_rank)
+        offsets[d], sizes[d] = start, stop - start
+    if dp_size > 1 and len(shape) > 0:
+        start, stop = chunk_bounds(sizes[0], dp_size, dp_rank)
+        offsets[0] += start
+        sizes[0] = stop - start
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b`` (``None`` when it is empty)."""
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def check_tiling(shape: Sequence[int], chunks: Sequence[Box]) -> None:
+    """Raise :class:`PlanError` unless ``chunks`` cover ``shape`` exactly once.
+
+    Chunks must lie inside the shape and not overlap; then they cover it iff their volumes add
+    up. Overlaps are found by a sweep on dim 0, so sets of thousands of chunks stay cheap.
+    """
+    ndim = len(shape)
+    total = 1
+    for s in shape:
+        if s < 0:
+            raise PlanError(f"negative size in shape {tuple(shape)}")
+        total *= s
+    volume = 0
+    for i, c in enumerate(chunks):
+        if len(c.offsets) != ndim or len(c.sizes) != ndim:
+            raise PlanError(
+                f"chunk {i} has {len(c.sizes)} dims but the tensor has {ndim} (shape {tuple(shape)})"
+            )
+        for d in range(ndim):
+            if c.offsets[d] < 0 or c.sizes[d] < 0 or c.offsets[d] + c.sizes[d] > shape[d]:
+                raise PlanError(
+                    f"chunk {i} (offsets {c.offsets}, sizes {c.sizes}) lies outside the "
+                    f"tensor's shape {tuple(shape)}"
+                )
+        volume += c.numel
+    if ndim > 0:
+        live = sorted((c for c in chunks if c.numel > 0), key=lambda c: c.offsets[0])
+        for i, a in enumerate(live):
+            for b in live[i + 1 :]:
+                if b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                    break
+                if intersect(a, b) is not None:
+                    raise PlanError(
+                        f"chunks overlap: (offsets {a.offsets}, sizes {a.sizes}) and "
+                        f"(offsets {b.offsets}, sizes {b.sizes})"
+                    )
+    elif len(chunks) > 1:
+        raise PlanError(f"a 0-d tensor is stored in {len(chunks)} chunks")
+    if volume != total:
+        raise PlanError(
+            f"chunks cover {volume} of the {total} elements of shape {tuple(shape)}: "
+            "part of the tensor is missing"
+        )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy ``sizes`` elements from chunk ``chunk`` at chunk-local ``src_offsets`` to the
+    target box at box-local ``dst_offsets``."""
+
+    chunk: int
+    src_offsets: tuple[int, ...]
+    dst_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def plan_pieces(box: Box, chunks: Sequence[Box]) -> list[Piece]:
+    """The pieces of ``chunks`` (already checked to tile the tensor) that fill ``box``.
+
+    An empty box needs no piece. A 0-d box takes the whole of the one chunk.
+    """
+    if box.numel == 0:
+        return []
+    pieces = []
+    for i, c in enumerate(chunks):
+        if len(box.sizes) == 0:
+            return [Piece(i, (), (), ())]
+        common = intersect(box, c)
+        if common is None:
+            continue
+        pieces.append(
+            Piece(
+                chunk=i,
+                src_offsets=tuple(o - co for o, co in zip(common.offsets, c.offsets)),
+                dst_offsets=tuple(o - bo for o, bo in zip(common.offsets, box.offsets)),
+                sizes=common.sizes,
+            )
+        )
+    return pieces
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A strided copy seen as ``count`` runs of ``length`` contiguous elements on both sides.
+
+    Run ``k`` (the multi-index ``i`` over ``outer_sizes``) starts at element
+    ``sum(i * src_strides)`` of the source and ``sum(i * dst_strides)`` of the destination.
+    """
+
+    length: int
+    outer_sizes: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        n = 1
+        for s in self.outer_sizes:
+            n *= s
+        return n
+
+    def starts(self) -> itertools.product[tuple[int, ...]]:
+        """Multi-indices of the runs, row-major."""
+        return itertools.product(*(range(s) for s in self.outer_sizes))
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """``(src, dst)`` element offsets of every run, row-major."""
+        out = []
+        for index in self.starts():
+            src = sum(i * s for i, s in zip(index, self.src_strides))
+            dst = sum(i * s for i, s in zip(index, self.dst_strides))
+            out.append((src, dst))
+        return out
+
+
+def contiguous_runs(
+    sizes: Sequence[int], src_strides: Sequence[int], dst_strides: Sequence[int]
+) -> Runs:
+    """Merge trailing dims that are contiguous in both source and destination into one run.
+
+    Dims of size 1 are dropped first (their strides never matter). The result is what a reader
+    can fetch with one ``pread`` each.
+    """
+    dims = [(s, a, b) for s, a, b in zip(sizes, src_strides, dst_strides) if s != 1]
+    length = 1
+    while dims:
+        s, a, b = dims[-1]
+        if a == length and b == length:
+            length *= s
+            dims.pop()
+        else:
+            break
+    return Runs(
+        length=length,
+        outer_sizes=tuple(d[0] for d in dims),
+        src_strides=tuple(d[1] for d in dims),
+        dst_strides=tuple(d[2] for d in dims),
+    )
+
+
+def span(sizes: Sequence[int], strides: Sequence[int]) -> int:
+    """Number of elements from the first to the last one of a strided view, inclusive
+    (0 for an empty view). Strides must be non-negative."""
+    if any(s == 0 for s in sizes):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:
+    return sum(i * s for i, s in zip(index, strides))
+
+
+def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when a strided view covers one contiguous row-major range of its storage."""
+    return contiguous_runs(sizes, strides, strides).outer_sizes == () or any(s == 0 for s in sizes)

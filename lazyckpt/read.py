@@ -1,0 +1,247 @@
+"""Reading: copy the planned pieces of source chunks into one destination tensor.
+
+Two ways to reach the bytes, picked by ``ModelCheckpointLoadOptions.mmap``:
+
+* **mmap** (default): each file is mapped once, copy-on-write (``MAP_PRIVATE``), and a piece is
+  one strided ``Tensor.copy_`` from a view of the mapping, which touches only the pages of the
+  piece. When the target box is one dense range of one file and no cast is asked, the view
+  itself is yielded: zero copies, and writing to it never reaches the file.
+* **pread**: contiguous runs are read with ``os.preadv`` straight into the destination's memory;
+  rows too short to be worth a system call each are read in slabs through a bounce buffer when
+  that at most doubles the bytes read. Suits network filesystems, where mapping is slow.
+
+Files are opened on first use, so a file that holds no byte of the target is never opened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import Chunk, FileRegion, LazyRegion
+from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, span
+from lazyckpt.stats import LoadStats
+
+__all__ = ["Reader"]
+
+_MIN_RUN_BYTES = 64 << 10
+"""Runs at least this long get a ``pread`` each; shorter ones are read in slabs."""
+_SLAB_BYTES = 8 << 20
+"""Largest bounce buffer for slab reads."""
+
+
+class _OpenFile:
+    """A file opened for one load: its descriptor, size and (lazily) its mapping."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self.size = os.fstat(self.fd).st_size
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._map: mmap.mmap | None = None
+
+    def mapping(self) -> mmap.mmap:
+        if self._map is None:
+            # ACCESS_COPY is MAP_PRIVATE: views are writable, writes never reach the file.
+            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+        return self._map
+
+    def check_range(self, start: int, stop: int, what: str) -> None:
+        # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
+        if start < 0 or stop > self.size:
+            raise CorruptModelCheckpointError(
+                self.path,
+                f"{what} needs bytes [{start}, {stop}) but the file has {self.size} bytes; "
+                "it is truncated or its metadata is wrong: copy it again",
+            )
+
+    def close(self) -> None:
+        # The mapping is never closed by hand: tensors from ``torch.frombuffer`` hold a
+        # reference to it but not a buffer export, so closing it under a live view would
+        # unmap memory the view still reads (a crash). Dropping our reference lets the last
+        # view free it.
+        self._map = None
+        os.close(self.fd)
+
+
+class Reader:
+    """Copies pieces of chunks into destinations, keeping files open for one load."""
+
+    def __init__(self, *, use_mmap: bool = True, stats: LoadStats | None = None) -> None:
+        self.use_mmap = use_mmap
+        self.stats = stats
+        self._files: dict[Path, _OpenFile] = {}
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def _open(self, path: Path) -> _OpenFile:
+        f = self._files.get(path)
+        if f is None:
+            try:
+                f = self._files[path] = _OpenFile(path)
+            except FileNotFoundError as exc:
+                raise CorruptModelCheckpointError(
+                    path, "the file is gone: it was listed when the checkpoint was indexed"
+                ) from exc
+        return f
+
+    def _count(self, path: Path, nbytes: int) -> None:
+        if self.stats is not None:
+            self.stats.add_read(str(path), nbytes)
+
+    # -- public ---------------------------------------------------------------------------
+
+    def view(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, what: str
+    ) -> torch.Tensor | None:
+        """A zero-copy view of ``piece`` when it is one dense range of a mapped file, else None."""
+        if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or piece.numel == 0:
+            return None
+        region = _region(chunk)
+        if not is_dense(piece.sizes, region.strides):
+            return None
+        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+        self._count(region.path, count * dtype.itemsize)
+        flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
+        return flat.view(piece.sizes)
+
+    def copy(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, what: str
+    ) -> None:
+        """Copy ``piece`` of ``chunk`` (stored as ``dtype``) into its place in ``dst``, the whole
+        target box (contiguous, on the CPU, any dtype)."""
+        if piece.numel == 0:
+            return
+        dst_view = dst[tuple(slice(o, o + s) for o, s in zip(piece.dst_offsets, piece.sizes))]
+        if isinstance(chunk.data, torch.Tensor):
+            src = chunk.data[tuple(slice(o, o + s) for o, s in zip(piece.src_offsets, piece.sizes))]
+            dst_view.copy_(src)
+            return
+        region = _region(chunk)
+        if self.use_mmap:
+            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+            flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
+            dst_view.copy_(flat.as_strided(piece.sizes, region.strides))
+            self._count(region.path, piece.numel * dtype.itemsize)
+        else:
+            self._pread(region, dtype, piece, dst_view, what)
+
+    def read_bytes(self, path: Path, start: int, length: int, what: str) -> bytes:
+        """Raw bytes of a file (metadata lookups made while streaming, e.g. DCP chunk headers)."""
+        f = self._open(path)
+        f.check_range(start, start + length, what)
+        return os.pread(f.fd, length, start)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _locate(
+        self,
+        region: FileRegion,
+        dtype: torch.dtype,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        what: str,
+    ) -> tuple[_OpenFile, int, int]:
+        """The open file, the byte offset of the piece's first element, and its element span."""
+        f = self._open(region.path)
+        first = region.byte_offset + dtype.itemsize * element_offset(offsets, region.strides)
+        count = span(sizes, region.strides)
+        f.check_range(first, first + count * dtype.itemsize, what)
+        return f, first, count
+
+    def _pread(
+        self,
+        region: FileRegion,
+        dtype: torch.dtype,
+        piece: Piece,
+        dst_view: torch.Tensor,
+        what: str,
+    ) -> None:
+        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+        itemsize = dtype.itemsize
+        # Straight into the destination when it holds the source dtype, else via a temporary.
+        target = dst_view if dst_view.dtype == dtype else torch.empty(piece.sizes, dtype=dtype)
+        runs = contiguous_runs(piece.sizes, region.strides, tuple(target.stride()))
+        run_bytes = runs.length * itemsize
+        needed = piece.numel * itemsize
+        if runs.count > 1 and run_bytes < _MIN_RUN_BYTES and count * itemsize <= 2 * needed:
+            read = self._pread_slabs(f, region, dtype, piece, target, first, what)
+        else:
+            base = target.data_ptr()
+            for src, dst in runs.offsets():
+                _pread_into(f, first + src * itemsize, base + dst * itemsize, run_bytes, what)
+            read = needed
+        self._count(region.path, read)
+        if target is not dst_view:
+            dst_view.copy_(target)
+
+    def _pread_slabs(
+        self,
+        f: _OpenFile,
+        region: FileRegion,
+        dtype: torch.dtype,
+        piece: Piece,
+        target: torch.Tensor,
+        first: int,
+        what: str,
+    ) -> int:
+        """Read a piece of short rows in slabs along its first dim through a bounce buffer;
+        returns the bytes read (gaps between rows included)."""
+        itemsize = dtype.itemsize
+        rows, inner = piece.sizes[0], piece.sizes[1:]
+        row_step = region.strides[0]
+        inner_span = span(inner, region.strides[1:])
+        per_slab = max(1, _SLAB_BYTES // max(row_step * itemsize, 1))
+        read = 0
+        for r0 in range(0, rows, per_slab):
+            r1 = min(rows, r0 + per_slab)
+            count = (r1 - r0 - 1) * row_step + inner_span
+            bounce = torch.empty(count, dtype=dtype)
+            _pread_into(
+                f, first + r0 * row_step * itemsize, bounce.data_ptr(), count * itemsize, what
+            )
+            target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
+            read += count * itemsize
+        return read
+
+
+def _region(chunk: Chunk) -> FileRegion:
+    data = chunk.data
+    if isinstance(data, LazyRegion):
+        return data.resolve()
+    assert isinstance(data, FileRegion)  # tensors are handled by the callers
+    return data
+
+
+def _pread_into(f: _OpenFile, offset: int, address: int, nbytes: int, what: str) -> None:
+    """Fill ``nbytes`` at ``address`` from ``offset`` of ``f``, failing on a short read."""
+    buf = (ctypes.c_char * nbytes).from_address(address)
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < nbytes:
+        n = os.preadv(f.fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptModelCheckpointError(
+                f.path,
+                f"{what}: the file ended at byte {offset + done} while reading {nbytes} bytes "
+                f"at {offset}; it is truncated: copy it again",
+            )
+        done += n

@@ -1,0 +1,516 @@
+"""Index a ``torch.save`` zip archive without reading tensor data or running pickle code.
+
+A torch file is a zip (always *stored*, never compressed) holding ``<archive>/data.pkl`` and one
+record ``<archive>/data/<key>`` per storage. We read the zip directory, unpickle ``data.pkl``
+with an allow-list unpickler whose tensor-rebuild functions return :class:`StoredTensor`
+placeholders, and check every storage record against what the pickle declares, so a truncated
+or hand-edited file fails here instead of yielding wrong bytes (``torch.load(mmap=True)`` trusts
+the sizes and can read past a short record).
+
+This module is shared by every format built on ``torch.save``: plain files, fairscale
+``consolidated.NN.pth``, fairseq2 shards, and the chunks inside DCP ``.distcp`` files (a zip at an
+offset of a larger file, hence the ``window``).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import FileRegion
+from lazyckpt.plan import span
+
+__all__ = [
+    "StoredTensor",
+    "TorchArchive",
+    "Unsupported",
+    "flatten_state_dict",
+    "read_torch_archive",
+    "restricted_find_class",
+]
+
+ZIP_MAGIC = b"PK\x03\x04"
+_MAX_PICKLE_BYTES = 1 << 30
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of the pickle, located in its storage but not read."""
+
+    storage: _StorageRef
+    storage_offset: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A value we refuse to load (sparse, quantized, subclass tensors ...); the error comes
+    when the key holding it is flattened, so it can name the key."""
+
+    what: str
+
+
+# -- the allow-list unpickler --------------------------------------------------------------
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+    "UntypedStorage": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+class _TensorType:
+    """Stands for ``torch.Tensor`` / ``nn.Parameter`` in ``_rebuild_from_type_v2``."""
+
+
+def _as_sizes(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise _PickleError(f"tensor {what} {value!r} is not a tuple of ints")
+    return tuple(value)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> Any:
+    if isinstance(storage, Unsupported):
+        return storage
+    if not isinstance(storage, _StorageRef):
+        raise _PickleError(f"tensor storage is {type(storage).__name__}, not a stored record")
+    if not isinstance(storage_offset, int) or isinstance(storage_offset, bool):
+        raise _PickleError(f"tensor storage offset {storage_offset!r} is not an int")
+    return StoredTensor(
+        storage, storage_offset, _as_sizes(size, "size"), _as_sizes(stride, "stride")
+    )
+
+
+def _rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    *_: Any,
+) -> Any:
+    if not isinstance(dtype, torch.dtype):
+        raise _PickleError(f"tensor dtype {dtype!r} is not a torch.dtype")
+    if isinstance(storage, _StorageRef):
+        storage = _StorageRef(storage.key, dtype, storage.numel)
+    return _rebuild_tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if new_type is not _TensorType:
+        return Unsupported(f"a tensor subclass ({getattr(new_type, '__name__', new_type)})")
+    if not callable(func) or not isinstance(args, tuple):
+        raise _PickleError("malformed _rebuild_from_type_v2 call")
+    return func(*args)
+
+
+def _unsupported(what: str) -> Callable[..., Unsupported]:
+    def make(*_: Any, **__: Any) -> Unsupported:
+        return Unsupported(what)
+
+    return make
+
+
+_TORCH_UTILS: dict[str, Any] = {
+    "_rebuild_tensor": _rebuild_tensor,
+    "_rebuild_tensor_v2": _rebuild_tensor,
+    "_rebuild_tensor_v3": _rebuild_tensor_v3,
+    "_rebuild_parameter": _rebuild_parameter,
+    "_rebuild_parameter_with_state": _rebuild_parameter,
+    "_rebuild_sparse_tensor": _unsupported("a sparse tensor"),
+    "_rebuild_sparse_csr_tensor": _unsupported("a sparse tensor"),
+    "_rebuild_qtensor": _unsupported("a quantized tensor"),
+    "_rebuild_nested_tensor": _unsupported("a nested tensor"),
+    "_rebuild_wrapper_subclass": _unsupported("a tensor subclass"),
+    "_rebuild_meta_tensor_no_storage": _unsupported("a meta tensor without data"),
+    "_rebuild_device_tensor_from_numpy": _unsupported("a tensor stored as a numpy array"),
+    "_rebuild_xla_tensor": _unsupported("an XLA tensor"),
+    "_rebuild_mtia_tensor": _unsupported("an MTIA tensor"),
+}
+
+_BUILTINS = {
+    name: getattr(__import__("builtins"), name)
+    for name in (
+        "dict",
+        "list",
+        "tuple",
+        "set",
+        "frozenset",
+        "int",
+        "float",
+        "complex",
+        "bool",
+        "str",
+        "bytes",
+        "bytearray",
+        "slice",
+    )
+}
+
+
+def restricted_find_class(module: str, name: str) -> Any:
+    """The allow-list: containers, tensors, storages, dtypes. Anything else returns None."""
+    if module == "collections" and name == "OrderedDict":
+        return collections.OrderedDict
+    if module == "builtins":
+        return _BUILTINS.get(name)
+    if module == "_codecs" and name == "encode":
+        import codecs
+
+        return codecs.encode  # protocol 2 stores bytes as encode(str, "latin1")
+    if module == "torch._utils":
+        return _TORCH_UTILS.get(name)
+    if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+        return _rebuild_from_type_v2
+    if (module, name) in {
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch.nn.parameter", "Buffer"),
+        ("torch.nn", "Parameter"),
+    }:
+        return _TensorType
+    if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
+        return _StorageType(_STORAGE_DTYPES[name])
+    if module == "torch":
+        if name == "Size":
+            return torch.Size
+        if name == "device":
+            return torch.device
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
+    return None
+
+
+class _PickleError(Exception):
+    """Malformed pickle content; becomes a CorruptModelCheckpointError naming the file."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, *, restrict: bool, what: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._restrict = restrict
+        self._what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = restricted_find_class(module, name)
+        if found is not None:
+            return found
+        if self._restrict:
+            raise _PickleError(
+                f"{self._what} refers to the global '{module}.{name}', which is not on the "
+                "allow-list of tensors, containers and dtypes; unpickling it could run code from "
+                "the file. If you trust the file, load with restrict=False"
+            )
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise _PickleError(f"unknown persistent id {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise _PickleError(f"storage type {storage_type!r} is not a torch storage class")
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise _PickleError(f"storage record {pid!r:.80} is malformed")
+        return _StorageRef(key, storage_type.dtype, numel)
+
+
+# -- the zip ---------------------------------------------------------------------------------
+
+
+class _Window(io.RawIOBase):
+    """A read-only file object over ``[start, start + length)`` of a file descriptor."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass
+class TorchArchive:
+    """What a torch zip holds: the unpickled object and where each storage's bytes lie."""
+
+    path: Path
+    obj: Any
+    storage_offsets: dict[str, tuple[int, int]]
+    """Storage key -> (absolute byte offset in ``path``, record length)."""
+
+    def region(self, tensor: StoredTensor, what: str) -> FileRegion:
+        """The file region of ``tensor``, after checking it lies inside its storage record."""
+        ref = tensor.storage
+        found = self.storage_offsets.get(ref.key)
+        if found is None:
+            raise CorruptModelCheckpointError(
+                self.path, f"{what}: storage record data/{ref.key} is missing from the zip"
+            )
+        offset, length = found
+        itemsize = ref.dtype.itemsize
+        if ref.numel * itemsize > length:
+            raise CorruptModelCheckpointError(
+                self.path,
+                f"{what}: storage record data/{ref.key} has {length} bytes but the pickle declares "
+                f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again",
+            )
+        if any(s < 0 for s in tensor.sizes) or any(s < 0 for s in tensor.strides):
+            raise CorruptModelCheckpointError(
+                self.path, f"{what}: negative size or stride {tensor.sizes}/{tensor.strides}"
+            )
+        if len(tensor.sizes) != len(tensor.strides):
+            raise CorruptModelCheckpointError(
+                self.path, f"{what}: size {tensor.sizes} and stride {tensor.strides} differ in rank"
+            )
+        if (
+            tensor.storage_offset < 0
+            or tensor.storage_offset + span(tensor.sizes, tensor.strides) > ref.numel
+        ):
+            raise CorruptModelCheckpointError(
+                self.path,
+                f"{what}: the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
+                f"{tensor.strides}) reaches past its storage of {ref.numel} elements",
+            )
+        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, tensor.strides)
+
+
+def read_torch_archive(
+    path: Path,
+    *,
+    restrict: bool = True,
+    window: tuple[int, int] | None = None,
+    fd: int | None = None,
+) -> TorchArchive:
+    """Read the zip directory and ``data.pkl`` of a torch file (or of a zip at
+    ``window=(start, length)`` inside ``path``); no storage byte is read."""
+    own = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        start, length = window if window is not None else (0, size)
+        if start < 0 or length < 0 or start + length > size:
+            raise CorruptModelCheckpointError(
+                path, f"bytes [{start}, {start + length}) lie past the end of the {size}-byte file"
+            )
+        head = os.pread(fd, 4, start)
+        _check_magic(path, head, window)
+        try:
+            zf = zipfile.ZipFile(io.BufferedReader(_Window(fd, start, length)))  # type: ignore[arg-type]
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+            raise CorruptModelCheckpointError(
+                path, f"not a readable torch zip archive ({exc}); the file is truncated or damaged"
+            ) from exc
+        with zf:
+            return _read_archive(path, fd, start, length, zf, restrict)
+    finally:
+        if own:
+            os.close(fd)
+
+
+def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:
+    if head == ZIP_MAGIC:
+        return
+    where = "" if window is None else f" at byte {window[0]}"
+    if head[:1] == b"\x80":
+        raise CorruptModelCheckpointError(
+            path,
+            f"the data{where} is a bare pickle, the legacy torch.save format (torch < 1.6) that "
+            "cannot be read lazily; load it once with torch.load and save it again",
+        )
+    raise CorruptModelCheckpointError(
+        path, f"the data{where} is not a torch zip archive (starts with {head!r})"
+    )
+
+
+def _read_archive(
+    path: Path, fd: int, start: int, length: int, zf: zipfile.ZipFile, restrict: bool
+) -> TorchArchive:
+    infos = zf.infolist()
+    pickles = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+    if len(pickles) != 1:
+        raise CorruptModelCheckpointError(
+            path, f"expected one data.pkl record in the zip, found {len(pickles)}"
+        )
+    prefix = pickles[0].filename[: -len("data.pkl")]
+    records: dict[str, tuple[int, int]] = {}
+    for info in infos:
+        name = info.filename
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix) :]
+        if rest == "data.pkl" or rest == "byteorder" or rest.startswith("data/"):
+            records[rest] = _record_span(path, fd, start, length, info)
+    if "byteorder" in records:
+        offset, size = records["byteorder"]
+        order = os.pread(fd, size, offset)
+        if order != b"little":
+            raise CorruptModelCheckpointError(
+                path,
+                f"byte order {order!r} is not supported; re-save the file on a little-endian "
+                "machine",
+            )
+    pkl_offset, pkl_size = records["data.pkl"]
+    if pkl_size > _MAX_PICKLE_BYTES:
+        raise CorruptModelCheckpointError(path, f"data.pkl is {pkl_size} bytes, too large")
+    data = os.pread(fd, pkl_size, pkl_offset)
+    try:
+        obj = _IndexUnpickler(data, restrict=restrict, what=f"{path.name}: data.pkl").load()
+    except _PickleError as exc:
+        raise CorruptModelCheckpointError(path, str(exc)) from None
+    except CorruptModelCheckpointError:
+        raise
+    except Exception as exc:  # any malformed pickle: a file error, never a crash
+        raise CorruptModelCheckpointError(
+            path, f"data.pkl cannot be unpickled ({type(exc).__name__}: {exc})"
+        ) from None
+    storages = {k[len("data/") :]: v for k, v in records.items() if k.startswith("data/")}
+    return TorchArchive(path, obj, storages)
+
+
+def _record_span(
+    path: Path, fd: int, start: int, length: int, info: zipfile.ZipInfo
+) -> tuple[int, int]:
+    """Absolute offset and length of a stored record's data, checked against the file."""
+    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+        raise CorruptModelCheckpointError(
+            path,
+            f"zip record {info.filename} is compressed; torch files store records "
+            "uncompressed, so the file was rewritten by another tool: save it again with torch.save",
+        )
+    header = os.pread(fd, _LOCAL_HEADER.size, start + info.header_offset)
+    if len(header) != _LOCAL_HEADER.size:
+        raise CorruptModelCheckpointError(
+            path, f"zip record {info.filename}: local header past the end of the file (truncated)"
+        )
+    fields = _LOCAL_HEADER.unpack(header)
+    if fields[0] != ZIP_MAGIC:
+        raise CorruptModelCheckpointError(
+            path, f"zip record {info.filename}: bad local header signature; the file is damaged"
+        )
+    name_len, extra_len = fields[9], fields[10]
+    offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if offset + info.file_size > length:
+        raise CorruptModelCheckpointError(
+            path,
+            f"zip record {info.filename} ({info.file_size} bytes at {offset}) runs past the "
+            f"end of the {length}-byte archive; the file is truncated: copy it again",
+        )
+    return start + offset, info.file_size
+
+
+# -- state dicts -----------------------------------------------------------------------------
+
+
+def flatten_state_dict(obj: Any, path: Path) -> dict[str, StoredTensor]:
+    """The flat ``{key: tensor}`` of a loaded torch object.
+
+    A dict whose ``"model"`` or ``"state_dict"`` entry is a dict is unwrapped to it (training
+    checkpoints keep optimizer state and counters beside the weights). Nested dicts are joined
+    with ``.``. Any other value is an error naming the key.
+    """
+    if not isinstance(obj, Mapping):
+        raise CorruptModelCheckpointError(
+            path,
+            f"the file holds a {type(obj).__name__}, not a state dict; save "
+            "model.state_dict() instead of the model",
+        )
+    for wrapper in ("model", "state_dict"):
+        inner = obj.get(wrapper)
+        if isinstance(inner, Mapping):
+            obj = inner
+            break
+    out: dict[str, StoredTensor] = {}
+    _flatten(obj, "", out, path)
+    return out
+
+
+def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], path: Path) -> None:
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            raise CorruptModelCheckpointError(path, f"key {prefix}{k!r} is not a string")
+        key = prefix + k
+        if isinstance(v, StoredTensor):
+            if key in out:
+                raise CorruptModelCheckpointError(
+                    path, f"key {key!r} appears twice after flattening"
+                )
+            out[key] = v
+        elif isinstance(v, Mapping):
+            _flatten(v, key + ".", out, path)
+        elif isinstance(v, Unsupported):
+            raise CorruptModelCheckpointError(
+                path,
+                f"key {key!r} holds {v.what}, which lazyckpt cannot load; convert it to a "
+                "dense tensor before saving",
+            )
+        else:
+            raise CorruptModelCheckpointError(
+                path,
+                f"key {key!r} holds a {type(v).__name__}, not a tensor; a state dict may "
+                "only hold tensors (remove it, or wrap the weights under 'model')",
+            )
