@@ -1,0 +1,120 @@
+"""Validate eagerly, stream lazily: errors come from ``lazy_load()`` itself, tensor bytes are
+read only by ``next()``, and a file with no byte of the target is never opened."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import expected, opened_files, same_bits, write_checkpoint
+from safetensors.torch import save_file
+
+import lazyckpt
+
+
+def _overwrite_in_place(src: Path, dst: Path) -> None:
+    """Copy ``src``'s bytes over ``dst`` keeping its inode (what a mapping would see)."""
+    data = src.read_bytes()
+    assert len(data) == dst.stat().st_size
+    with open(dst, "r+b") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("kind", ["safetensors-index", "torch-folder", "torch-file"])
+def test_no_tensor_data_is_read_before_the_first_yield(tmp_path: Path, kind: str) -> None:
+    shapes = {"a": (64, 8), "b": (33,), "c": (5, 7)}
+    old = {k: torch.zeros(s) for k, s in shapes.items()}
+    new = {k: torch.randn(s) for k, s in shapes.items()}
+    path = write_checkpoint(kind, old, tmp_path / "ckpt")
+    write_checkpoint(kind, new, tmp_path / "other")
+    stats = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats, layout=lazyckpt.Layout(tp_size=2, tp_rank=1))
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(path, {"a": 0}, opts)
+    assert stats.total_bytes_read == 0
+    # Same names, shapes and dtypes: only tensor bytes differ, so metadata offsets still hold.
+    root = path if path.is_dir() else path.parent
+    for f in sorted(p for p in root.iterdir() if p.is_file()):
+        twin = tmp_path / "other" / f.name
+        if twin.exists() and not f.name.endswith(".json"):
+            _overwrite_in_place(twin, f)
+    got = {k: v.clone() for k, v in stream}
+    for k in shapes:
+        assert same_bits(got[k], expected(new[k], {"a": 0}.get(k), opts.layout)), k
+
+
+def test_a_file_without_target_bytes_is_never_opened_while_streaming(tmp_path: Path) -> None:
+    # Key "tail" has 5 rows: TP-8 ranks 5..7 receive none of it, so its file is not opened.
+    parts = [{"big": torch.randn(64, 4)}, {"tail": torch.randn(5, 4)}]
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for part, name in zip(parts, names):
+        save_file(part, tmp_path / name)
+    weight_map = {"big": names[0], "tail": names[1]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    dims = {"big": 0, "tail": 0}
+    for rank, touched in ((6, {names[0]}), (1, set(names))):
+        opts = lazyckpt.ModelCheckpointLoadOptions(layout=lazyckpt.Layout(tp_size=8, tp_rank=rank))
+        stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, dims, opts)
+        with opened_files() as seen:
+            got = {k: v.clone() for k, v in stream}
+        assert {Path(p).name for p in seen} == touched
+        assert got["tail"].shape[0] == (1 if rank == 1 else 0)
+
+
+def test_bad_calls_fail_before_the_first_next(tmp_path: Path) -> None:
+    loader = lazyckpt.get_model_checkpoint_loader()
+    with pytest.raises(FileNotFoundError, match="no-such"):
+        loader.lazy_load(tmp_path / "no-such.safetensors", {})
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="notes.txt"):
+        loader.lazy_load(tmp_path / "notes.txt", {})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="empty"):
+        loader.lazy_load(empty, {})
+    save_file({"w": torch.zeros(4, 4)}, tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match=r"shard_dims\['w'\] = 2 is out of range"):
+        loader.lazy_load(tmp_path / "m.safetensors", {"w": 2})
+    with pytest.raises(ValueError, match="must be an int"):
+        loader.lazy_load(tmp_path / "m.safetensors", {"w": "0"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tp_size": 0}, "tp_size must be >= 1"),
+        ({"tp_size": 4, "tp_rank": 4}, "tp_rank must be in"),
+        ({"dp_size": 2, "dp_rank": -1}, "dp_rank must be in"),
+        ({"tp_size": 2.0}, "must be an int"),
+        ({"dp_size": True}, "must be an int"),
+    ],
+)
+def test_impossible_layouts_are_value_errors(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        lazyckpt.Layout(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_options_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="options.dtype"):
+        lazyckpt.ModelCheckpointLoadOptions(dtype="bf16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="options.prefetch_bytes"):
+        lazyckpt.ModelCheckpointLoadOptions(prefetch_bytes=-1)
+    with pytest.raises(ValueError, match="options.layout"):
+        lazyckpt.ModelCheckpointLoadOptions(layout=(2, 0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="options.device"):
+        lazyckpt.ModelCheckpointLoadOptions(device="warp-drive")
+
+
+def test_closing_the_stream_early_stops_the_prefetcher(tmp_path: Path) -> None:
+    save_file({f"k{i}": torch.randn(256, 64) for i in range(20)}, tmp_path / "m.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(prefetch_bytes=1 << 20, dtype=torch.float16)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+    first = next(stream)
+    stream.close()  # type: ignore[attr-defined]
+    import threading
+
+    assert not any(t.name == "lazyckpt-prefetch" for t in threading.enumerate())
+    assert first[0] == "k0"
+    shutil.rmtree(tmp_path)  # nothing holds the files open

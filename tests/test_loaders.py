@@ -1,0 +1,192 @@
+"""Every one-chunk-per-key format x every layout, against ``torch.load``/``load_file`` + ``torch.chunk``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    FILE_KINDS,
+    LAYOUTS,
+    SAMPLE_DIMS,
+    assert_layout_matches,
+    expected,
+    load_all,
+    needs_gpu,
+    same_bits,
+    sample_state_dict,
+    write_checkpoint,
+)
+from safetensors.torch import load_file, save_file
+
+import lazyckpt
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    sd = sample_state_dict()
+    root = tmp_path_factory.mktemp("ckpts")
+    return {kind: write_checkpoint(kind, sd, root / kind) for kind in FILE_KINDS}
+
+
+def oracle(kind: str, path: Path) -> dict[str, torch.Tensor]:
+    """The full tensors as the reference readers give them."""
+    if path.is_file() and path.suffix == ".safetensors":
+        return load_file(path)
+    if path.is_file():
+        obj = torch.load(path, weights_only=True)
+        return obj["model"] if "model" in obj else obj
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.iterdir()):
+        if f.suffix == ".safetensors":
+            out.update(load_file(f))
+        elif f.suffix in (".bin", ".pt"):
+            out.update(torch.load(f, weights_only=True))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_format_by_layout(checkpoints: dict[str, Path], kind: str, layout: lazyckpt.Layout) -> None:
+    path = checkpoints[kind]
+    full = oracle(kind, path)
+    assert set(full) == set(sample_state_dict())
+    got = load_all(path, SAMPLE_DIMS, layout=layout)
+    assert_layout_matches(got, full, SAMPLE_DIMS, layout)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("prefetch", [0, 1 << 20, 64 << 20])
+@pytest.mark.parametrize("kind", ["safetensors-index", "torch-folder"])
+def test_read_paths_agree(checkpoints: dict[str, Path], kind: str, mmap: bool, prefetch: int) -> None:
+    path = checkpoints[kind]
+    full = oracle(kind, path)
+    for layout in (LAYOUTS[0], LAYOUTS[5]):
+        got = load_all(path, SAMPLE_DIMS, layout=layout, mmap=mmap, prefetch_bytes=prefetch)
+        assert_layout_matches(got, full, SAMPLE_DIMS, layout)
+
+
+def test_keys_come_once_in_checkpoint_order(tmp_path: Path) -> None:
+    sd = sample_state_dict()
+    torch.save(sd, tmp_path / "m.pt")
+    keys = [k for k, _ in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.pt", {})]
+    assert keys == list(sd)
+    save_file(sd, tmp_path / "m.safetensors")
+    keys = [k for k, _ in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {})]
+    assert keys == list(load_file(tmp_path / "m.safetensors"))
+
+
+def test_dtype_casts_floats_only(checkpoints: dict[str, Path]) -> None:
+    path = checkpoints["safetensors-file"]
+    full = oracle("safetensors-file", path)
+    layout = lazyckpt.Layout(tp_size=2, tp_rank=0)
+    got = load_all(path, SAMPLE_DIMS, layout=layout, dtype=torch.bfloat16)
+    for key, t in full.items():
+        want = expected(t, SAMPLE_DIMS.get(key), layout)
+        if t.is_floating_point():
+            want = want.to(torch.bfloat16)
+        assert same_bits(got[key], want), key
+
+
+def test_tied_tensors_each_key_appears(tmp_path: Path) -> None:
+    w = torch.randn(6, 4)
+    torch.save({"embed.weight": w, "lm_head.weight": w, "half": w[3:]}, tmp_path / "tied.pt")
+    got = load_all(tmp_path / "tied.pt", {"embed.weight": 0}, layout=lazyckpt.Layout(tp_size=2, tp_rank=1))
+    assert list(got) == ["embed.weight", "lm_head.weight", "half"]
+    assert torch.equal(got["embed.weight"], w[3:])
+    assert torch.equal(got["lm_head.weight"], w)
+    assert torch.equal(got["half"], w[3:])
+
+
+def test_non_contiguous_saved_views(tmp_path: Path) -> None:
+    base = torch.randn(7, 5)
+    sd = {"t": base.t(), "col": base[:, 2], "strided": base[::2, 1:4]}
+    torch.save(sd, tmp_path / "views.pt")
+    for mmap in (True, False):
+        for layout in LAYOUTS:
+            got = load_all(tmp_path / "views.pt", {"t": 1, "strided": 1}, layout=layout, mmap=mmap)
+            assert_layout_matches(got, sd, {"t": 1, "strided": 1}, layout)
+
+
+def test_pread_short_rows_use_slabs_and_stay_exact(tmp_path: Path) -> None:
+    # Dim-1 shards of a wide matrix: many short rows, read through the slab path with mmap=False.
+    full = torch.randn(300, 64).to(torch.bfloat16)
+    save_file({"w": full}, tmp_path / "w.safetensors")
+    for tp in (2, 3):
+        for r in range(tp):
+            layout = lazyckpt.Layout(tp_size=tp, tp_rank=r)
+            stats = lazyckpt.LoadStats()
+            got = load_all(tmp_path / "w.safetensors", {"w": 1}, layout=layout, mmap=False, stats=stats)
+            assert same_bits(got["w"], expected(full, 1, layout))
+            # Coalesced reads may take the gaps along, but never more than twice the need.
+            assert stats.bytes_delivered <= stats.total_bytes_read <= 2 * stats.bytes_delivered
+
+
+def test_yielded_views_are_safe_to_modify(tmp_path: Path) -> None:
+    sd = {"a": torch.randn(64, 32), "b": torch.arange(10)}
+    save_file(sd, tmp_path / "m.safetensors")
+    before = (tmp_path / "m.safetensors").read_bytes()
+    stats = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+    for _, t in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts):
+        t.add_(1)
+    assert stats.views == 2  # whole tensors of a safetensors file are zero-copy views
+    assert (tmp_path / "m.safetensors").read_bytes() == before
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["a"], sd["a"])
+
+
+def test_views_outlive_the_loader(tmp_path: Path) -> None:
+    sd = {"a": torch.randn(256, 256)}
+    save_file(sd, tmp_path / "m.safetensors")
+    kept = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}))
+    import gc
+
+    gc.collect()
+    assert torch.equal(kept["a"], sd["a"])
+
+
+def test_key_map_renames_and_drops(tmp_path: Path) -> None:
+    sd = sample_state_dict()
+    save_file(sd, tmp_path / "m.safetensors")
+    key_map = {"tok_embeddings.weight": "embed.weight", "scale": None}
+    layout = lazyckpt.Layout(tp_size=8, tp_rank=2)
+    got = load_all(tmp_path / "m.safetensors", {"embed.weight": 0}, layout=layout, key_map=key_map)
+    assert "scale" not in got and "tok_embeddings.weight" not in got
+    assert same_bits(got["embed.weight"], expected(sd["tok_embeddings.weight"], 0, layout))
+    got = load_all(tmp_path / "m.safetensors", {}, key_map=lambda k: "model." + k)
+    assert set(got) == {"model." + k for k in sd}
+    with pytest.raises(ValueError, match="maps both"):
+        load_all(tmp_path / "m.safetensors", {}, key_map=lambda k: "same")
+
+
+def test_stats_count_only_target_bytes(tmp_path: Path) -> None:
+    full = torch.randn(800, 100)
+    save_file({"w": full}, tmp_path / "w.safetensors")
+    stats = lazyckpt.LoadStats()
+    load_all(tmp_path / "w.safetensors", {"w": 0}, layout=lazyckpt.Layout(tp_size=8, tp_rank=5), stats=stats)
+    assert stats.bytes_delivered == full.nbytes // 8
+    assert stats.total_bytes_read == full.nbytes // 8
+    assert stats.read_amplification == 1.0
+
+
+@needs_gpu
+def test_cuda_target_through_pinned_buffers(tmp_path: Path) -> None:
+    sd = sample_state_dict()
+    save_file(sd, tmp_path / "m.safetensors")
+    layout = lazyckpt.Layout(tp_size=2, tp_rank=1, dp_size=2, dp_rank=0)
+    got = load_all(tmp_path / "m.safetensors", SAMPLE_DIMS, layout=layout, device="cuda", dtype=torch.float16)
+    for key, t in sd.items():
+        want = expected(t, SAMPLE_DIMS.get(key), layout)
+        want = want.to(torch.float16) if t.is_floating_point() else want
+        assert got[key].device.type == "cuda"
+        assert same_bits(got[key], want), key
+
+
+def test_cuda_device_without_gpu_fails_eagerly(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    save_file({"a": torch.zeros(2)}, tmp_path / "m.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(device="cuda")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)

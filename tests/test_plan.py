@@ -1,0 +1,184 @@
+"""The integer planner against torch: ``torch.chunk`` is the oracle for boxes, ``torch.cat`` for
+reassembly; no files involved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import chunk_of, expected, same_bits
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lazyckpt
+from lazyckpt.plan import (
+    Box,
+    PlanError,
+    check_tiling,
+    chunk_bounds,
+    contiguous_runs,
+    intersect,
+    plan_pieces,
+    target_box,
+)
+
+
+@given(n=st.integers(0, 200), parts=st.integers(1, 17))
+def test_chunk_bounds_is_torch_chunk(n: int, parts: int) -> None:
+    t = torch.arange(n)
+    for i in range(parts):
+        start, stop = chunk_bounds(n, parts, i)
+        assert torch.equal(t[start:stop], chunk_of(t, parts, 0, i))
+    # Every element lands in exactly one chunk, in order.
+    bounds = [chunk_bounds(n, parts, i) for i in range(parts)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_chunk_bounds_uneven_vocab() -> None:
+    sizes = [b - a for a, b in (chunk_bounds(30522, 8, i) for i in range(8))]
+    assert sizes == [3816] * 7 + [3810]
+    assert chunk_bounds(5, 4, 3) == (5, 5)  # torch.chunk makes 3 chunks; rank 3 gets none
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> lazyckpt.Layout:
+    tp = draw(st.integers(1, 6))
+    dp = draw(st.integers(1, 6))
+    return lazyckpt.Layout(
+        tp_size=tp, tp_rank=draw(st.integers(0, tp - 1)),
+        dp_size=dp, dp_rank=draw(st.integers(0, dp - 1)),
+    )
+
+
+@given(shape=shapes, layout=layouts(), data=st.data())
+def test_target_box_is_chunk_of_chunk(shape: tuple[int, ...], layout: lazyckpt.Layout,
+                                      data: st.DataObject) -> None:
+    dim = data.draw(st.none() | st.integers(0, len(shape) - 1)) if shape else None
+    full = torch.arange(torch.Size(shape).numel()).reshape(shape) if shape else torch.tensor(7)
+    box = target_box(shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank)
+    want = expected(full, dim, layout)
+    got = full[box.slices()] if shape else full
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+@st.composite
+def grids(draw: st.DrawFn) -> tuple[torch.Tensor, int | None, list[list[torch.Tensor]]]:
+    """A full tensor cut into an uneven [tp][dp] grid the way model-parallel sources store it."""
+    ndim = draw(st.integers(1, 3))
+    shape = [draw(st.integers(0, 7)) for _ in range(ndim)]
+    dim = draw(st.none() | st.integers(0, ndim - 1))
+    tp = draw(st.integers(1, 4))
+    dp = draw(st.integers(1, 3))
+    full = torch.randn(shape) if draw(st.booleans()) else torch.arange(
+        torch.Size(shape).numel(), dtype=torch.int64
+    ).reshape(shape)
+
+    def cuts(n: int, parts: int) -> list[int]:
+        points = sorted(draw(st.lists(st.integers(0, n), min_size=parts - 1, max_size=parts - 1)))
+        edges = [0, *points, n]
+        return [b - a for a, b in zip(edges, edges[1:])]
+
+    if dim is None:
+        tp_parts = [full] * tp  # replicas
+    else:
+        tp_parts = list(torch.split(full, cuts(shape[dim], tp), dim))
+    grid = [list(torch.split(p, cuts(p.shape[0], dp), 0)) for p in tp_parts]
+    return full, dim, grid
+
+
+@given(case=grids(), layout=layouts())
+def test_reshard_tensor_matches_oracle(case: tuple[torch.Tensor, int | None, list[list[torch.Tensor]]],
+                                       layout: lazyckpt.Layout) -> None:
+    full, dim, grid = case
+    dims = {} if dim is None else {"k": dim}
+    got = lazyckpt.reshard_tensor(
+        "k", grid, (len(grid), len(grid[0])), (layout.tp_size, layout.dp_size),
+        (layout.tp_rank, layout.dp_rank), dims,
+    )
+    # Oracle: torch.cat of the sources, then torch.chunk.
+    rows = [torch.cat(row, 0) for row in grid]
+    rebuilt = rows[0] if dim is None else torch.cat(rows, dim)
+    assert same_bits(rebuilt, full)
+    assert same_bits(got, expected(full, dim, layout))
+
+
+def test_reshard_tensor_fairseq2_example() -> None:
+    full = torch.arange(8 * 3).reshape(8, 3)
+    splits = [[full[:4]], [full[4:]]]
+    got = lazyckpt.reshard_tensor("model.weight", splits, (2, 1), (4, 1), (2, 0), {"model.weight": 0})
+    assert torch.equal(got, full[4:6])
+
+
+def test_reshard_tensor_uneven_never_drops_rows() -> None:
+    full = torch.arange(30522 * 2).reshape(30522, 2)
+    splits = [[p] for p in torch.chunk(full, 4, 0)]
+    parts = [lazyckpt.reshard_tensor("e", splits, (4, 1), (8, 1), (r, 0), {"e": 0}) for r in range(8)]
+    assert torch.equal(torch.cat(parts), full)
+    assert [p.shape[0] for p in parts] == [3816] * 7 + [3810]
+
+
+def test_reshard_tensor_rejects_bad_input() -> None:
+    t = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="source_splits must be a 2 x 1 grid"):
+        lazyckpt.reshard_tensor("k", [[t]], (2, 1), (1, 1), (0, 0), {"k": 0})
+    with pytest.raises(ValueError, match="tp_rank"):
+        lazyckpt.reshard_tensor("k", [[t]], (1, 1), (2, 1), (2, 0), {"k": 0})
+    with pytest.raises(ValueError, match="off the shard dim"):
+        lazyckpt.reshard_tensor("k", [[t], [torch.zeros(4, 3)]], (2, 1), (1, 1), (0, 0), {"k": 0})
+    with pytest.raises(ValueError, match="add it to shard_dims"):
+        lazyckpt.reshard_tensor("k", [[t], [torch.zeros(2, 4)]], (2, 1), (1, 1), (0, 0), {})
+    with pytest.raises(ValueError, match="out of range"):
+        lazyckpt.reshard_tensor("k", [[t]], (1, 1), (1, 1), (0, 0), {"k": 2})
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), data=st.data())
+def test_check_tiling_accepts_exact_grids_and_rejects_damage(shape: tuple[int, ...],
+                                                              data: st.DataObject) -> None:
+    # A grid of boxes from per-dim cuts tiles the shape.
+    cuts = []
+    for n in shape:
+        points = sorted(set(data.draw(st.lists(st.integers(1, n), max_size=3))) - {n})
+        edges = [0, *points, n]
+        cuts.append(list(zip(edges, edges[1:])))
+    import itertools
+
+    boxes = [
+        Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo))
+        for combo in itertools.product(*cuts)
+    ]
+    check_tiling(shape, boxes)
+    if len(boxes) > 1:
+        with pytest.raises(PlanError, match="missing"):
+            check_tiling(shape, boxes[1:])
+        with pytest.raises(PlanError, match="overlap"):
+            check_tiling(shape, [*boxes, boxes[0]])
+    grown = Box(boxes[0].offsets, tuple(s + 1 for s in boxes[0].sizes))
+    with pytest.raises(PlanError):
+        check_tiling(shape, [grown, *boxes[1:]])
+
+
+def test_plan_pieces_cover_box_exactly() -> None:
+    chunks = [Box((0, 0), (3, 4)), Box((3, 0), (5, 4))]
+    box = Box((2, 1), (4, 2))
+    pieces = plan_pieces(box, chunks)
+    assert [(p.chunk, p.src_offsets, p.dst_offsets, p.sizes) for p in pieces] == [
+        (0, (2, 1), (0, 0), (1, 2)),
+        (1, (0, 1), (1, 0), (3, 2)),
+    ]
+    assert intersect(Box((0,), (2,)), Box((2,), (2,))) is None
+    assert plan_pieces(Box((0, 0), (0, 4)), chunks) == []
+
+
+def test_contiguous_runs_merge_trailing_dims() -> None:
+    # Rows of a dim-1 shard: 4 runs of 3 elements.
+    runs = contiguous_runs((4, 3), (12, 1), (3, 1))
+    assert (runs.length, runs.count) == (3, 4)
+    assert runs.offsets() == [(0, 0), (12, 3), (24, 6), (36, 9)]
+    # A dim-0 shard is one run.
+    runs = contiguous_runs((4, 12), (12, 1), (12, 1))
+    assert (runs.length, runs.count) == (48, 1)
+    # Size-1 dims never split a run.
+    assert contiguous_runs((1, 5, 1), (99, 1, 7), (5, 1, 1)).count == 1
