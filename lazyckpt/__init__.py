@@ -13,7 +13,9 @@ from lazyckpt.layout import Layout
 from lazyckpt.loader import ModelCheckpointLoader
 from lazyckpt.loaders import get_model_checkpoint_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.presets import PRESETS, get_preset, preset_shard_dims
 from lazyckpt.reshard import reshard_tensor
+from lazyckpt.shard_dims import get_shard_dims
 from lazyckpt.stats import LoadStats
 
 __all__ = [
@@ -23,8 +25,12 @@ __all__ = [
     "ModelCheckpointError",
     "ModelCheckpointLoadOptions",
     "ModelCheckpointLoader",
+    "PRESETS",
     "UnknownCheckpointFormatError",
     "get_model_checkpoint_loader",
+    "get_preset",
+    "get_shard_dims",
+    "preset_shard_dims",
     "reshard_tensor",
 ]
 

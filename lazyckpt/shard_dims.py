@@ -1,0 +1,79 @@
+"""``get_shard_dims``: read each parameter's tensor-parallel dim off a model.
+
+Two sources of truth: fairscale's model-parallel layers (matched by class name, so fairscale need
+not be installed) and DTensor parameters, whose placement on the TP mesh dim says ``Shard(d)``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lazyckpt.layout import _DP_DIM_NAMES, _TP_DIM_NAMES
+
+__all__ = ["get_shard_dims"]
+
+# fairscale.nn.model_parallel.layers: which dim of the weight each layer splits.
+_FAIRSCALE_WEIGHT_DIMS = {
+    "ColumnParallelLinear": 0,
+    "VocabParallelEmbedding": 0,
+    "RowParallelLinear": 1,
+    "ParallelEmbedding": 1,
+}
+
+
+def get_shard_dims(model: nn.Module) -> dict[str, int]:
+    """``{parameter name: TP shard dim}`` for every tensor-parallel parameter of ``model``.
+
+    Replicated parameters are left out. A ``ColumnParallelLinear`` bias is split like its
+    output dim (0); a ``RowParallelLinear`` bias is replicated.
+    """
+    dims: dict[str, int] = {}
+    fsdp = _has_fsdp(model)
+    for module_name, module in model.named_modules():
+        dim = _FAIRSCALE_WEIGHT_DIMS.get(type(module).__name__)
+        if dim is None:
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if getattr(module, "weight", None) is not None:
+            dims[prefix + "weight"] = dim
+        if type(module).__name__ == "ColumnParallelLinear" and getattr(module, "bias", None) is not None:
+            dims[prefix + "bias"] = 0
+    for name, param in model.named_parameters():
+        tp_dim = _dtensor_tp_dim(name, param, fsdp)
+        if tp_dim is not None:
+            dims[name] = tp_dim
+    return dims
+
+
+def _has_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover
+        return None
+    if not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_index = next((names.index(n) for n in _TP_DIM_NAMES if n in names), None)
+    if tp_index is None:
+        if any(n in names for n in _DP_DIM_NAMES) or (mesh.ndim == 1 and fsdp):
+            return None  # a data-parallel mesh only
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"parameter {name!r} lives on a {mesh.ndim}-D mesh whose dims are not named "
+                f"({names or 'no names'}); name the tensor-parallel dim 'tp'"
+            )
+        tp_index = 0
+    placement = param.placements[tp_index]
+    # Exactly Shard (not its _StridedShard subclass, which FSDP uses on the DP dim).
+    if type(placement) is Shard:
+        return int(placement.dim)
+    return None
