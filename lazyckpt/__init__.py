@@ -10,6 +10,7 @@ from lazyckpt.errors import (
     UnknownCheckpointFormatError,
 )
 from lazyckpt.layout import Layout
+from lazyckpt.load_into import KeyMismatchError, LoadReport, load_into
 from lazyckpt.loader import ModelCheckpointLoader
 from lazyckpt.loaders import get_model_checkpoint_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -20,7 +21,9 @@ from lazyckpt.stats import LoadStats
 
 __all__ = [
     "CorruptModelCheckpointError",
+    "KeyMismatchError",
     "Layout",
+    "LoadReport",
     "LoadStats",
     "ModelCheckpointError",
     "ModelCheckpointLoadOptions",
@@ -30,6 +33,7 @@ __all__ = [
     "get_model_checkpoint_loader",
     "get_preset",
     "get_shard_dims",
+    "load_into",
     "preset_shard_dims",
     "reshard_tensor",
 ]

@@ -12,7 +12,7 @@ from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
 
-__all__ = ["PinnedPool", "build_tensor", "output_dtype"]
+__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype"]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -31,25 +31,53 @@ def build_tensor(
     pool: PinnedPool | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """The target tensor of ``plan`` and whether it is a view of a mapped file."""
-    what = f"key {plan.entry.display_key}"
-    src_dtype = plan.entry.dtype
-    on_cuda = device is not None and device.type == "cuda"
-    if on_cuda and not plan.verify:
-        assert pool is not None
-        return _build_cuda(plan, reader, out_dtype, device, pool, what), False
-    if plan.may_be_view and out_dtype == src_dtype and not on_cuda:
+    on_cpu = device is None or device.type == "cpu"
+    if on_cpu and plan.may_be_view and out_dtype == plan.entry.dtype:
         piece = plan.pieces[0]
-        view = reader.view(plan.chunks[piece.chunk], src_dtype, piece, what)
+        view = reader.view(plan.chunks[piece.chunk], plan.entry.dtype, piece, _what(plan))
         if view is not None:
             return view, True
-    dst = torch.empty(plan.box.sizes, dtype=src_dtype if plan.verify else out_dtype)
-    _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, what)
+    dst = torch.empty(plan.box.sizes, dtype=out_dtype, device=device)
+    fill(plan, reader, dst, pool=pool)
+    return dst, False
+
+
+def fill(plan: TensorPlan, reader: Reader, dst: torch.Tensor, *, pool: PinnedPool | None = None) -> None:
+    """Write the target box of ``plan`` into ``dst`` (its shape; any dtype, strides, device).
+
+    This is how ``load_into`` fills a parameter in place: no second buffer on the CPU, and a
+    CUDA destination is filled through ``pool``'s pinned buffers.
+    """
+    what = _what(plan)
+    src_dtype = plan.entry.dtype
+    if tuple(dst.shape) != plan.box.sizes:
+        raise ValueError(f"{what}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}")
+    if plan.verify:
+        # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype.
+        first = torch.empty(plan.box.sizes, dtype=src_dtype)
+        _fill(reader, plan.chunks, src_dtype, plan.pieces, first, what)
+        _verify(plan, reader, first, what)
+        dst.copy_(first)
+    elif dst.device.type == "cuda":
+        if pool is None:
+            raise ValueError("a CUDA destination needs a PinnedPool")
+        _fill_cuda(plan, reader, dst, pool, what)
+    else:
+        _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, what)
+
+
+def _what(plan: TensorPlan) -> str:
+    return f"key {plan.entry.display_key}"
+
+
+def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, what: str) -> None:
+    src_dtype = plan.entry.dtype
     for copy, pieces in plan.verify:
         other = torch.empty(plan.box.sizes, dtype=src_dtype)
         _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, what)
         if reader.stats is not None:
             reader.stats.add_verified(other.numel() * src_dtype.itemsize)
-        if not _same_bits(dst, other):
+        if not _same_bits(first, other):
             a = plan.chunks[plan.pieces[0].chunk].path if plan.pieces else None
             b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None
             raise CorruptModelCheckpointError(
@@ -58,11 +86,6 @@ def build_tensor(
                 "differ; if the key is split across model-parallel ranks, add it to shard_dims "
                 "(see lazyckpt.presets), otherwise one of the files is damaged",
             )
-    if dst.dtype != out_dtype:
-        dst = dst.to(out_dtype)
-    if on_cuda:
-        dst = dst.to(device)
-    return dst, False
 
 
 def _fill(
@@ -125,22 +148,16 @@ class PinnedPool:
                 event.synchronize()
 
 
-def _build_cuda(
-    plan: TensorPlan,
-    reader: Reader,
-    out_dtype: torch.dtype,
-    device: torch.device,
-    pool: PinnedPool,
-    what: str,
-) -> torch.Tensor:
+def _fill_cuda(
+    plan: TensorPlan, reader: Reader, dst: torch.Tensor, pool: PinnedPool, what: str
+) -> None:
     """Fill a CUDA tensor slab by slab (along dim 0) through pinned buffers."""
     box, src_dtype = plan.box, plan.entry.dtype
-    dst = torch.empty(box.sizes, dtype=out_dtype, device=device)
     if box.numel == 0:
-        return dst
+        return
     chunk_boxes = [Box(c.offsets, c.sizes) for c in plan.chunks]
     if not box.sizes:
-        slabs = [(box, None)]
+        slabs: list[tuple[Box, slice | None]] = [(box, None)]
     else:
         row_bytes = max(1, box.numel // box.sizes[0] * src_dtype.itemsize)
         rows = max(1, pool.nbytes // row_bytes)
@@ -150,14 +167,12 @@ def _build_cuda(
             sub = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:]))
             slabs.append((sub, slice(r0, r1)))
     for sub, rows_slice in slabs:
-        nbytes = sub.numel * src_dtype.itemsize
-        slot, raw = pool.take(nbytes)
+        slot, raw = pool.take(sub.numel * src_dtype.itemsize)
         staging = raw.view(src_dtype).view(sub.sizes)
         _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, what)
         target = dst if rows_slice is None else dst[rows_slice]
-        if out_dtype == src_dtype:
+        if dst.dtype == src_dtype:
             target.copy_(staging, non_blocking=True)
         else:
-            target.copy_(staging.to(device, non_blocking=True))
+            target.copy_(staging.to(dst.device, non_blocking=True))
         pool.release(slot, raw)
-    return dst

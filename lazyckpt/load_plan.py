@@ -85,9 +85,15 @@ def _where(index_path: Path, entry: TensorEntry) -> Path:
 
 
 def plan_entry(
-    entry: TensorEntry, shard_dims: Mapping[str, int], layout: Layout, where: Path
+    entry: TensorEntry,
+    shard_dims: Mapping[str, int],
+    layout: Layout,
+    where: Path,
+    box: Box | None = None,
 ) -> tuple[int | None, Box, list[tuple[Piece, ...]]]:
-    """Shard dim, target box and the pieces of every copy of ``entry``; checks the tilings."""
+    """Shard dim, target box and the pieces of every copy of ``entry``; checks the tilings.
+
+    ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box)."""
     dim = shard_dims.get(entry.key)
     if dim is not None:
         try:
@@ -118,17 +124,20 @@ def plan_load(
     *,
     verify_replicas: bool = True,
     verify_max_bytes: int = 16 << 20,
+    boxes: Mapping[str, Box] | None = None,
 ) -> list[TensorPlan]:
     """Plan every key of ``index`` for ``layout``.
 
     A replicated key (several copies) is read from a file this rank reads anyway for its sharded
     keys, so MP-8 into TP-8 rank 3 opens one file; the other copies in such files are compared
-    when ``verify_replicas`` is on and the tensor is small enough.
+    when ``verify_replicas`` is on and the tensor is small enough. ``boxes`` gives some keys a
+    box of their own instead of the layout's.
     """
     planned = []
     used: set[Path] = set()
     for entry in index:
-        dim, box, pieces = plan_entry(entry, shard_dims, layout, _where(index.path, entry))
+        own = None if boxes is None else boxes.get(entry.key)
+        dim, box, pieces = plan_entry(entry, shard_dims, layout, _where(index.path, entry), own)
         planned.append((entry, dim, box, pieces))
         if len(entry.copies) == 1:
             used |= _files(entry.copies[0], pieces[0])

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, TensorEntry
+from lazyckpt.index import CheckpointIndex
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.prefetch import prefetched
@@ -93,6 +93,14 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
         """Read metadata only and index every kept key under its target name."""
+
+    def source_shard_shapes(
+        self, path: Path, options: ModelCheckpointLoadOptions
+    ) -> dict[str, list[tuple[int, ...]]] | None:
+        """For model-parallel sources: each checkpoint key's shape in each TP rank's shard, so
+        that ``load_into`` can infer shard dims from a model's full shapes. ``None`` for sources
+        that store global shapes."""
+        return None
 
     @final
     def index(
@@ -181,6 +189,3 @@ def _stream(
         if pool is not None:
             pool.synchronize()
 
-
-def entry_summary(entry: TensorEntry) -> str:
-    return f"{entry.key} {tuple(entry.shape)} {entry.dtype}"

@@ -21,7 +21,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import flatten_state_dict, read_torch_archive
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, flatten_state_dict, read_torch_archive
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -71,15 +71,22 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
         p = Path(path)
         return p.is_dir() and any(FILE_RE.fullmatch(n) for n in os.listdir(p))
 
+    def source_shard_shapes(
+        self, path: Path, options: ModelCheckpointLoadOptions
+    ) -> dict[str, list[tuple[int, ...]]] | None:
+        if not path.is_dir():
+            return None
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        for _, _, flat in _read_ranks(rank_files(path), options.restrict):
+            for key, stored in flat.items():
+                shapes.setdefault(key, []).append(stored.sizes)
+        return shapes
+
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
         files = rank_files(path)
-        ranks = []
-        for f in files:
-            archive = read_torch_archive(f, restrict=options.restrict)
-            flat = flatten_state_dict(archive.obj, f)
-            ranks.append((f, archive, flat))
+        ranks = _read_ranks(files, options.restrict)
         first_file, _, first = ranks[0]
         for f, _, flat in ranks[1:]:
             extra = [k for k in flat if k not in first]
@@ -120,6 +127,16 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             source_layout=f"MP-{len(files)}",
             metadata=_params(path),
         )
+
+
+def _read_ranks(
+    files: list[Path], restrict: bool
+) -> list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]:
+    out = []
+    for f in files:
+        archive = read_torch_archive(f, restrict=restrict)
+        out.append((f, archive, flatten_state_dict(archive.obj, f)))
+    return out
 
 
 def _params(folder: Path) -> dict[str, str]:

@@ -71,11 +71,33 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         names = os.listdir(p)
         return any((_PP.fullmatch(n) or _TP.fullmatch(n)) and (p / n).is_dir() for n in names)
 
+    def source_shard_shapes(
+        self, path: Path, options: ModelCheckpointLoadOptions
+    ) -> dict[str, list[tuple[int, ...]]] | None:
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        for stage in self._stages(path):
+            for tp in _numbered(stage, _TP, True):
+                local: dict[str, tuple[int, ...]] = {}
+                for f in _numbered(tp, _SDP, False):
+                    for key, stored in self._read(f, options.restrict)[1].items():
+                        old = local.get(key)
+                        local[key] = (
+                            stored.sizes if old is None or not old
+                            else (old[0] + stored.sizes[0], *old[1:])
+                        )
+                for key, shape in local.items():
+                    shapes.setdefault(key, []).append(shape)
+        return shapes
+
+    @staticmethod
+    def _stages(path: Path) -> list[Path]:
+        has_pp = any(_PP.fullmatch(n) and (path / n).is_dir() for n in os.listdir(path))
+        return _numbered(path, _PP, True) if has_pp else [path]
+
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
-        has_pp = any(_PP.fullmatch(n) and (path / n).is_dir() for n in os.listdir(path))
-        stages = _numbered(path, _PP, True) if has_pp else [path]
+        stages = self._stages(path)
         entries: dict[str, TensorEntry] = {}
         owner: dict[str, Path] = {}
         files: list[Path] = []

@@ -1,0 +1,298 @@
+"""``load_into``: fill a model's parameters and buffers in place, from any supported source.
+
+Each target tensor says what it needs: a plain tensor its whole box, a DTensor (FSDP2, TP,
+FSDP2 + TP) the box of its local shard, computed from its mesh and placements. The planner reads
+exactly that box from the source and the reader copies it straight into the tensor's storage: no
+full tensor is built, no collective runs, each rank reads only its own bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lazyckpt.build import PinnedPool, fill
+from lazyckpt.errors import ModelCheckpointError
+from lazyckpt.layout import Layout
+from lazyckpt.load_plan import check_shard_dims, plan_load
+from lazyckpt.loaders import detect_loader
+from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
+from lazyckpt.plan import Box
+from lazyckpt.read import Reader
+from lazyckpt.stats import LoadStats
+
+__all__ = ["KeyMismatchError", "LoadReport", "load_into"]
+
+
+@dataclass
+class LoadReport:
+    """What ``load_into`` did."""
+
+    loaded: list[str] = field(default_factory=list)
+    """Model keys filled from the checkpoint, in checkpoint order."""
+    missing: list[str] = field(default_factory=list)
+    """Model keys the checkpoint lacks (left as they were; still on meta for a meta model)."""
+    unexpected: list[str] = field(default_factory=list)
+    """Checkpoint keys (after ``key_map``) the model lacks; never read."""
+    tied: list[str] = field(default_factory=list)
+    """Model keys the checkpoint lacks but that share storage with a loaded key."""
+    shard_dims: dict[str, int] = field(default_factory=dict)
+    """The source shard dims used (given, or inferred from shapes)."""
+    stats: LoadStats = field(default_factory=LoadStats)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.stats.total_bytes_read
+
+    def __str__(self) -> str:
+        return (
+            f"loaded {len(self.loaded)} keys ({len(self.tied)} more through ties), "
+            f"{len(self.missing)} missing, {len(self.unexpected)} unexpected; {self.stats.summary()}"
+        )
+
+
+class KeyMismatchError(ModelCheckpointError):
+    """``strict`` load where the model and the checkpoint disagree on keys or shapes."""
+
+    def __init__(self, message: str, report: LoadReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class _Target:
+    """One state-dict key of the model: the tensor and every (module, attribute) holding it."""
+
+    tensor: torch.Tensor
+    owners: list[tuple[nn.Module, str, bool]]
+
+    @property
+    def is_dtensor(self) -> bool:
+        return _is_dtensor(self.tensor)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _targets(model: nn.Module) -> dict[str, _Target]:
+    """The model's state-dict keys (parameters and persistent buffers), ties included."""
+    out: dict[str, _Target] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for attr, p in module._parameters.items():
+            if p is not None:
+                out.setdefault(prefix + attr, _Target(p, [])).owners.append((module, attr, True))
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                out.setdefault(prefix + attr, _Target(b, [])).owners.append((module, attr, False))
+    return out
+
+
+def _box(name: str, target: _Target) -> Box:
+    """The box of the global tensor that this process holds for ``target``."""
+    shape = target.global_shape
+    if not target.is_dtensor:
+        return Box((0,) * len(shape), shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    t: Any = target.tensor
+    local_shape, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(local_shape):
+        raise ValueError(
+            f"{name}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
+            f"{t.placements} give {tuple(local_shape)}"
+        )
+    return Box(tuple(offset), tuple(local_shape))
+
+
+def infer_shard_dims(
+    shapes: Mapping[str, list[tuple[int, ...]]], full: Mapping[str, tuple[int, ...]]
+) -> dict[str, int]:
+    """Each key's TP dim, read off the model's full shapes and the source's per-rank shapes.
+
+    A key whose shards all have the full shape is a replica. Otherwise exactly one dim must add
+    up to the full size with the others equal; anything else is refused.
+    """
+    dims = {}
+    for key, per_rank in shapes.items():
+        if key not in full:
+            continue
+        want = full[key]
+        if all(s == want for s in per_rank):
+            continue
+        candidates = [
+            d
+            for d in range(len(want))
+            if all(len(s) == len(want) for s in per_rank)
+            and sum(s[d] for s in per_rank) == want[d]
+            and all(s[e] == want[e] for s in per_rank for e in range(len(want)) if e != d)
+        ]
+        if len(candidates) != 1:
+            raise ValueError(
+                f"cannot infer the shard dim of {key!r}: the model's shape is {want} and the "
+                f"source's shards are {per_rank}; pass shard_dims (lazyckpt.get_shard_dims(model) "
+                "or a preset from lazyckpt.presets)"
+            )
+        dims[key] = candidates[0]
+    return dims
+
+
+def load_into(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    shard_dims: Mapping[str, int] | None = None,
+    options: ModelCheckpointLoadOptions | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Fill ``model``'s parameters and persistent buffers from the checkpoint at ``path``.
+
+    Plain tensors are filled in place (cast to their dtype); meta tensors are materialized on
+    ``options.device`` (CPU by default); DTensors (FSDP2, TP, FSDP2 + TP) receive the box of
+    their local shard, read straight from the source. ``shard_dims`` says how a model-parallel
+    source is split; left out, it is inferred from the model's shapes. With ``strict`` a key
+    missing on either side raises :class:`KeyMismatchError` before anything is read; shape
+    mismatches always do. ``options.layout`` is ignored: each tensor's own box is used.
+    """
+    options = options or ModelCheckpointLoadOptions()
+    targets = _targets(model)
+    loader = detect_loader(path)
+    report = LoadReport(stats=options.stats if options.stats is not None else LoadStats())
+
+    def model_key(source_key: str) -> str | None:
+        return apply_key_map(options.key_map, source_key)
+
+    if shard_dims is None:
+        shapes = loader.source_shard_shapes(Path(path), options) or {}
+        renamed = {k: s for k, s in ((model_key(k), s) for k, s in shapes.items()) if k is not None}
+        full = {k: t.global_shape for k, t in targets.items()}
+        shard_dims = infer_shard_dims(renamed, full)
+    check_shard_dims(shard_dims)
+    report.shard_dims = dict(shard_dims)
+
+    unexpected: list[str] = []
+
+    def route(source_key: str) -> str | None:
+        key = model_key(source_key)
+        if key is not None and key not in targets:
+            unexpected.append(key)
+            return None
+        return key
+
+    index = loader.index(path, shard_dims, dataclasses.replace(options, key_map=route))
+    report.unexpected = unexpected
+    mismatched = [
+        f"{key}: checkpoint {entry.shape}, model {targets[key].global_shape}"
+        for key, entry in index.entries.items()
+        if entry.shape != targets[key].global_shape
+    ]
+    if mismatched:
+        raise KeyMismatchError(
+            f"{index.path}: shapes differ between checkpoint and model for "
+            f"{len(mismatched)} key(s): " + "; ".join(mismatched[:10]),
+            report,
+        )
+    _account_keys(report, targets, index.entries)
+    if strict and (report.missing or report.unexpected):
+        raise KeyMismatchError(
+            f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
+            f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
+            f"{' ...' if len(report.unexpected) > 20 else ''}; pass strict=False to load the "
+            "common keys, or options.key_map to rename",
+            report,
+        )
+    boxes = {key: _box(key, targets[key]) for key in index.entries}
+    plans = plan_load(
+        index,
+        shard_dims,
+        Layout(),
+        verify_replicas=options.verify_replicas,
+        verify_max_bytes=options.verify_replicas_max_bytes,
+        boxes=boxes,
+    )
+    device = options.target_device
+    destinations = {key: _destination(key, targets[key], device) for key in index.entries}
+    pool = None
+    if any(d.device.type == "cuda" for d in destinations.values()):
+        pool = PinnedPool()
+    stats = report.stats
+    stats.start()
+    bar = tqdm(
+        total=sum(p.nbytes for p in plans), unit="B", unit_scale=True, unit_divisor=1024,
+        desc="load_into", disable=not options.progress, leave=False,
+    )
+    with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
+        for plan in plans:
+            fill(plan, reader, destinations[plan.key], pool=pool)
+            stats.add_delivered(plan.nbytes, view=False)
+            bar.update(plan.nbytes)
+        if pool is not None:
+            pool.synchronize()
+    _install_materialized(targets, destinations)
+    report.loaded = list(index.entries)
+    return report
+
+
+def _account_keys(report: LoadReport, targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> None:
+    """Split the model keys the checkpoint lacks into missing and filled-through-a-tie."""
+    loaded_ids = {id(targets[k].tensor) for k in loaded}
+    for key, target in targets.items():
+        if key in loaded:
+            continue
+        (report.tied if id(target.tensor) in loaded_ids else report.missing).append(key)
+
+
+def _destination(key: str, target: _Target, device: torch.device) -> torch.Tensor:
+    """The tensor to write ``key``'s box into: the target's own storage, or a new one for meta."""
+    t = target.tensor
+    if target.is_dtensor:
+        local = t.to_local()
+        if local.is_meta:
+            raise ValueError(
+                f"{key} is a DTensor on the meta device; call model.to_empty(device=...) before "
+                "load_into so that FSDP/TP keep their own storage"
+            )
+        return local.detach()
+    if t.is_meta:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.detach()
+
+
+def _install_materialized(targets: Mapping[str, _Target], dests: Mapping[str, torch.Tensor]) -> None:
+    """Put tensors built for meta targets into their modules, keeping ties tied."""
+    replaced: dict[int, torch.Tensor] = {}
+    for key, target in targets.items():
+        old = target.tensor
+        if old.is_meta and not target.is_dtensor and key in dests and id(old) not in replaced:
+            data = dests[key]
+            replaced[id(old)] = (
+                nn.Parameter(data, requires_grad=old.requires_grad)
+                if isinstance(old, nn.Parameter)
+                else data
+            )
+    for target in targets.values():
+        new = replaced.get(id(target.tensor))
+        if new is None:
+            continue  # not meta, or missing from the checkpoint: stays on meta, reported missing
+        for module, attr, is_param in target.owners:
+            if is_param:
+                module._parameters[attr] = new  # type: ignore[assignment]
+            else:
+                module._buffers[attr] = new
