@@ -10,7 +10,7 @@ from lazyckpt.errors import (
     UnknownCheckpointFormatError,
 )
 from lazyckpt.layout import Layout
-from lazyckpt.load_into import KeyMismatchError, LoadReport, load_into
+from lazyckpt.model_load import KeyMismatchError, LoadReport, load_into
 from lazyckpt.loader import ModelCheckpointLoader
 from lazyckpt.loaders import get_model_checkpoint_loader
 from lazyckpt.options import ModelCheckpointLoadOptions

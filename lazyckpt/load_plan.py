@@ -108,9 +108,14 @@ def plan_entry(
             check_tiling(entry.shape, [Box(c.offsets, c.sizes) for c in copy])
         except PlanError as exc:
             raise CorruptModelCheckpointError(where, f"key {entry.display_key}: {exc}") from None
-    box = target_box(
-        entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank
-    )
+    if box is None:
+        box = target_box(
+            entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank
+        )
+    elif len(box.sizes) != len(entry.shape) or any(
+        o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, entry.shape)
+    ):
+        raise ValueError(f"key {entry.display_key}: box {box} lies outside shape {entry.shape}")
     pieces = [
         tuple(plan_pieces(box, [Box(c.offsets, c.sizes) for c in copy])) for copy in entry.copies
     ]

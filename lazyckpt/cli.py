@@ -1,0 +1,971 @@
+"""The ``lazyckpt`` command: inspect, plan, verify and reshard checkpoints, and a demo.
+
+Every command is a thin layer over the library: ``inspect`` prints the index, ``plan`` the load
+plan of one rank, ``verify`` runs every check the index, the planner and (with ``--read``) the
+reader make, collecting all problems instead of stopping at the first, and ``reshard`` streams
+each rank through :func:`lazyckpt.writers.reshard`.
+
+Exit codes: 0 ok, 1 a checkpoint problem (or a failed write), 2 a usage problem, 130 interrupted.
+Errors are one line on stderr; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import signal
+import sys
+import traceback
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm.auto import tqdm
+
+from lazyckpt.build import output_dtype
+from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
+from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion, TensorEntry
+from lazyckpt.layout import Layout
+from lazyckpt.load_plan import TensorPlan, plan_entry
+from lazyckpt.loader import IndexedCheckpointLoader
+from lazyckpt.loaders import detect_loader
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.plan import is_dense, span
+from lazyckpt.presets import PRESETS, ShardDimPreset
+from lazyckpt.stats import LoadStats
+
+__all__ = ["ShardDimsChoice", "build_parser", "main", "resolve_shard_dims"]
+
+EXIT_OK, EXIT_CHECKPOINT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DEFAULT_PREFETCH = ModelCheckpointLoadOptions().prefetch_bytes
+
+
+class UsageError(ValueError):
+    """A bad argument found after parsing (an unknown preset, a malformed JSON file ...)."""
+
+
+# -- output helpers ----------------------------------------------------------------------------
+
+
+def human(n: int | float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(str(s) for s in shape) if shape else "()"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _progress_enabled() -> bool:
+    """Bars only for a person watching: quiet when stderr is a file or a pipe."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _note(text: str) -> None:
+    print(f"lazyckpt: note: {text}", file=sys.stderr)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+# -- shard dims ----------------------------------------------------------------------------
+
+
+class PresetShardDims(Mapping[str, int]):
+    """A preset's rules as a mapping over whatever keys the loader asks about.
+
+    Model-parallel loaders need a key's shard dim while they build the index, before the keys
+    are known to us, so the rules are applied on demand; iteration lists the keys seen so far.
+    """
+
+    def __init__(self, preset: ShardDimPreset) -> None:
+        self.preset = preset
+        self._seen: dict[str, int | None] = {}
+
+    def _lookup(self, key: str) -> int | None:
+        if key not in self._seen:
+            self._seen[key] = self.preset.shard_dims([key]).get(key)
+        return self._seen[key]
+
+    def __getitem__(self, key: str) -> int:
+        dim = self._lookup(key) if isinstance(key, str) else None
+        if dim is None:
+            raise KeyError(key)
+        return dim
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k, d in self._seen.items() if d is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for d in self._seen.values() if d is not None)
+
+
+@dataclass
+class ShardDimsChoice:
+    """The shard dims a command uses and where they came from (for the user to see)."""
+
+    dims: Mapping[str, int]
+    source: str
+    """``none``, ``preset NAME``, ``detected NAME`` or ``file PATH``."""
+
+    def concrete(self, keys: Sequence[str]) -> dict[str, int]:
+        return {k: self.dims[k] for k in keys if k in self.dims}
+
+
+def load_shard_dims(spec: str) -> ShardDimsChoice:
+    """``--shard-dims``: a preset name or a JSON file ``{key: dim}``."""
+    if spec in PRESETS:
+        return ShardDimsChoice(PresetShardDims(PRESETS[spec]), f"preset {spec}")
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(
+            f"--shard-dims {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+            "JSON file mapping keys to dims"
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--shard-dims {spec}: cannot read it as JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"--shard-dims {spec}: expected a JSON object {{key: dim}}")
+    for key, dim in doc.items():
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise UsageError(f"--shard-dims {spec}: the dim of {key!r} is {dim!r}, not an integer")
+    return ShardDimsChoice(dict(doc), f"file {path}")
+
+
+def detect_preset(loader: IndexedCheckpointLoader, path: Path) -> str | None:
+    """The one Llama fairscale preset under which the checkpoint is consistent, if any.
+
+    Llama's ``tok_embeddings`` and ``output`` weights are both (vocab, dim); only the right rule
+    for ``tok_embeddings`` (dim 0 in Llama 3, dim 1 in Llama 1/2) reassembles them to the same
+    shape. With one rank file both rules agree and nothing is detected.
+    """
+    if loader.name != "fairscale":
+        return None
+    found = []
+    for name, preset in PRESETS.items():
+        dims = PresetShardDims(preset)
+        try:
+            index = loader.index(path, dims)
+        except (ModelCheckpointError, ValueError):
+            continue
+        emb, out = index.entries.get("tok_embeddings.weight"), index.entries.get("output.weight")
+        if emb is not None and out is not None and emb.shape == out.shape and len(index.files) > 1:
+            found.append(name)
+    return found[0] if len(found) == 1 else None
+
+
+def resolve_shard_dims(
+    spec: str | None, loader: IndexedCheckpointLoader, path: Path
+) -> ShardDimsChoice:
+    """``--shard-dims`` if given; for a fairscale MP-N folder without it, a preset detected
+    from the shapes; else none (every key replicated)."""
+    if spec is not None:
+        return load_shard_dims(spec)
+    name = detect_preset(loader, path)
+    if name is not None:
+        _note(f"shard dims: detected preset {name} from the shapes; pass --shard-dims to override")
+        return ShardDimsChoice(PresetShardDims(PRESETS[name]), f"detected {name}")
+    return ShardDimsChoice({}, "none")
+
+
+def _warn_no_dims(choice: ShardDimsChoice, index: CheckpointIndex, tp: int = 1) -> None:
+    if choice.concrete(list(index.entries)):
+        return
+    if index.format in ("fairscale", "fairseq2") and len(index.files) > 1:
+        _note(
+            f"no shard dims: {index.format} files do not record how keys are split, so each "
+            "key is taken as a replica; pass --shard-dims "
+            f"{'|'.join(sorted(PRESETS))}|FILE.json"
+        )
+    elif tp > 1:
+        _note(f"no shard dims: every key is replicated whole on all {tp} TP ranks")
+
+
+# -- inspect -------------------------------------------------------------------------------
+
+
+def _file_sizes(index: CheckpointIndex) -> list[tuple[Path, int]]:
+    out = []
+    for f in index.files:
+        try:
+            out.append((f, f.stat().st_size))
+        except OSError:
+            out.append((f, -1))
+    return out
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    loader = detect_loader(path)
+    choice = resolve_shard_dims(args.shard_dims, loader, path)
+    index = loader.index(path, choice.dims)
+    _warn_no_dims(choice, index)
+    keys = list(index.entries)
+    dims = choice.concrete(keys)
+    files = _file_sizes(index)
+    chunks = sum(len(e.chunks) for e in index)
+    if args.json:
+        doc = {
+            "path": str(index.path),
+            "format": index.format,
+            "source_layout": index.source_layout,
+            "files": [{"path": str(f), "bytes": n} for f, n in files],
+            "shard_dims": {"source": choice.source, "dims": dims},
+            "notes": index.notes,
+            "metadata": index.metadata,
+            "keys": [
+                {
+                    "key": e.key,
+                    "dtype": _dtype(e.dtype),
+                    "shape": list(e.shape),
+                    "chunks": len(e.chunks),
+                    "copies": len(e.copies),
+                    "bytes": e.nbytes,
+                    "shard_dim": dims.get(e.key),
+                }
+                for e in index
+            ],
+            "total_keys": len(index),
+            "total_chunks": chunks,
+            "total_bytes": index.nbytes,
+            "total_file_bytes": sum(max(n, 0) for _, n in files),
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    print(f"path:        {index.path}")
+    print(f"format:      {index.format}")
+    print(f"layout:      {index.source_layout} ({len(files)} file(s), {chunks} chunk(s))")
+    print(f"shard dims:  {choice.source} ({len(dims)} of {len(index)} keys split)")
+    for note in index.notes:
+        print(f"note:        {note}")
+    print()
+    rows = [["key", "dtype", "shape", "chunks", "copies", "bytes"]]
+    for e in index:
+        rows.append(
+            [e.key, _dtype(e.dtype), _shape(e.shape), str(len(e.chunks)), str(len(e.copies)), human(e.nbytes)]
+        )
+    rows.append(
+        [f"total: {len(index)} keys", "", "", str(chunks), "", human(index.nbytes)]
+    )
+    print(_table(rows, right=(3, 4, 5)))
+    return EXIT_OK
+
+
+# -- plan ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanSummary:
+    read: dict[Path, int]
+    verified: dict[Path, int]
+    delivered: int
+    largest: int
+    peak: int
+
+
+def _region_of(plan: TensorPlan) -> FileRegion | None:
+    if not plan.pieces:
+        return None
+    data = plan.chunks[plan.pieces[0].chunk].data
+    return data if isinstance(data, FileRegion) else None
+
+
+def summarize_plans(
+    plans: Sequence[TensorPlan],
+    *,
+    dtype: torch.dtype | None = None,
+    mmap: bool = True,
+    prefetch_bytes: int = _DEFAULT_PREFETCH,
+) -> PlanSummary:
+    """Bytes each file gives this rank, and the memory the load needs at its peak.
+
+    The peak is the tensor the caller holds plus what the prefetch thread may have built ahead
+    under its budget (always at least the next tensor); zero-copy views of mapped files count
+    nothing, since their pages belong to the page cache.
+    """
+    read: dict[Path, int] = {}
+    verified: dict[Path, int] = {}
+    mem, cost = [], []
+    for p in plans:
+        item = p.entry.dtype.itemsize
+        for piece in p.pieces:
+            path = p.chunks[piece.chunk].path
+            if path is not None:
+                read[path] = read.get(path, 0) + piece.numel * item
+        for copy, pieces in p.verify:
+            for piece in pieces:
+                path = p.entry.copies[copy][piece.chunk].path
+                if path is not None:
+                    verified[path] = verified.get(path, 0) + piece.numel * item
+        out = output_dtype(p.entry.dtype, dtype)
+        region = _region_of(p)
+        view = (
+            mmap
+            and p.may_be_view
+            and out == p.entry.dtype
+            and region is not None
+            and is_dense(p.pieces[0].sizes, region.strides)
+        )
+        extra = p.nbytes if p.verify else 0  # a replica copy read alongside, to compare
+        mem.append(0 if view else p.box.numel * out.itemsize + extra)
+        cost.append(0 if p.may_be_view and mmap else p.nbytes)
+    peak = 0
+    for i in range(len(plans)):
+        ahead, budget_used = 0, 0
+        for j in range(i + 1, len(plans)):
+            if j > i + 1 and budget_used + cost[j] > prefetch_bytes:
+                break
+            budget_used += cost[j]
+            ahead += mem[j]
+        peak = max(peak, mem[i] + ahead)
+    return PlanSummary(
+        read=read,
+        verified=verified,
+        delivered=sum(p.nbytes for p in plans),
+        largest=max(mem, default=0),
+        peak=peak,
+    )
+
+
+def _layout_of(args: argparse.Namespace) -> Layout:
+    return Layout(tp_size=args.tp, tp_rank=args.tp_rank, dp_size=args.dp, dp_rank=args.dp_rank)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    layout = _layout_of(args)
+    loader = detect_loader(path)
+    choice = resolve_shard_dims(args.shard_dims, loader, path)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    options = ModelCheckpointLoadOptions(layout=layout, dtype=dtype)
+    index, plans = loader.plan(path, choice.dims, options)
+    _warn_no_dims(choice, index, layout.tp_size)
+    s = summarize_plans(plans, dtype=dtype, prefetch_bytes=options.prefetch_bytes)
+    unread = [f for f in index.files if f not in s.read]
+    total_read = sum(s.read.values())
+    if args.json:
+        doc = {
+            "path": str(index.path),
+            "format": index.format,
+            "source_layout": index.source_layout,
+            "layout": {
+                "tp_size": layout.tp_size,
+                "tp_rank": layout.tp_rank,
+                "dp_size": layout.dp_size,
+                "dp_rank": layout.dp_rank,
+            },
+            "shard_dims": {"source": choice.source, "dims": choice.concrete(list(index.entries))},
+            "files": [{"path": str(f), "bytes": n} for f, n in s.read.items()],
+            "files_not_read": [str(f) for f in unread],
+            "bytes_read": total_read,
+            "bytes_verified": sum(s.verified.values()),
+            "bytes_delivered": s.delivered,
+            "largest_tensor_bytes": s.largest,
+            "peak_memory_bytes": s.peak,
+            "prefetch_bytes": options.prefetch_bytes,
+            "keys": [
+                {
+                    "key": p.key,
+                    "dtype": _dtype(output_dtype(p.entry.dtype, dtype)),
+                    "shape": list(p.box.sizes),
+                    "offsets": list(p.box.offsets),
+                    "bytes": p.nbytes,
+                    "files": sorted(str(f) for f in p.files()),
+                }
+                for p in plans
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    print(f"plan for {layout} of {index.path} ({index.format}, {index.source_layout})")
+    n_split = len(choice.concrete(list(index.entries)))
+    print(f"shard dims: {choice.source} ({n_split} of {len(index)} keys split)")
+    print(f"reads {len(s.read)} of {len(index.files)} file(s):")
+    rows = [[f"  {f.name if f.parent == _root(index) else f}", human(n)] for f, n in s.read.items()]
+    if rows:
+        print(_table(rows, right=(1,)))
+    print(f"bytes read:     {human(total_read)} ({total_read} B) for {len(plans)} tensors")
+    if s.verified:
+        print(f"replica checks: {human(sum(s.verified.values()))} more, compared and dropped")
+    print(
+        f"peak memory:    ~{human(s.peak)} (largest tensor {human(s.largest)}, prefetch up to "
+        f"{human(options.prefetch_bytes)}; zero-copy views of mapped files not counted)"
+    )
+    return EXIT_OK
+
+
+def _root(index: CheckpointIndex) -> Path:
+    return index.path if index.path.is_dir() else index.path.parent
+
+
+# -- verify --------------------------------------------------------------------------------
+
+_KEY_RE = re.compile(r"""key ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def key_named(message: str) -> str | None:
+    """The first key an error message names (messages quote keys with ``repr``)."""
+    m = _KEY_RE.search(message)
+    if m is None:
+        return None
+    try:
+        value = ast.literal_eval(m.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+class Problems:
+    """Every problem found, once each, in the order found."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, exc: BaseException | str) -> None:
+        text = exc if isinstance(exc, str) else _one_line(exc)
+        if text not in self.items:
+            self.items.append(text)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+def _drop(keys: frozenset[str]) -> Callable[[str], str | None]:
+    return lambda k: None if k in keys else k
+
+
+def index_collecting(
+    loader: IndexedCheckpointLoader,
+    path: Path,
+    dims: Mapping[str, int],
+    problems: Problems,
+) -> tuple[CheckpointIndex | None, set[str]]:
+    """Index ``path``; when a key is bad, note it, drop it and index again, so one bad key does
+    not hide the next. Returns the index (``None`` when a problem names no key) and the
+    dropped keys."""
+    dropped: set[str] = set()
+    while True:
+        options = ModelCheckpointLoadOptions(key_map=_drop(frozenset(dropped)))
+        try:
+            return loader.index(path, dims, options), dropped
+        except (ModelCheckpointError, ValueError) as exc:
+            problems.add(exc)
+            key = key_named(str(exc))
+            if key is None or key in dropped:
+                return None, dropped
+            dropped.add(key)
+
+
+def _where(index: CheckpointIndex, entry: TensorEntry) -> Path:
+    paths = {c.path for copy in entry.copies for c in copy if c.path is not None}
+    return next(iter(paths)) if len(paths) == 1 else index.path
+
+
+def check_entries(
+    index: CheckpointIndex, dims: Mapping[str, int], problems: Problems
+) -> set[str]:
+    """Coverage, overlap and bounds of every chunk of every key; returns the bad keys."""
+    bad: set[str] = set()
+    sizes: dict[Path, int] = {}
+
+    def size_of(path: Path) -> int:
+        if path not in sizes:
+            sizes[path] = path.stat().st_size
+        return sizes[path]
+
+    for entry in index:
+        try:
+            plan_entry(entry, dims, Layout(), _where(index, entry))
+        except (ModelCheckpointError, ValueError) as exc:
+            problems.add(exc)
+            bad.add(entry.key)
+            continue
+        for copy in entry.copies:
+            for chunk in copy:
+                data = chunk.data
+                try:
+                    if isinstance(data, LazyRegion):
+                        data = data.resolve()
+                    if not isinstance(data, FileRegion) or chunk.numel == 0:
+                        continue
+                    stop = data.byte_offset + entry.dtype.itemsize * span(chunk.sizes, data.strides)
+                    if data.byte_offset < 0 or stop > size_of(data.path):
+                        raise CorruptModelCheckpointError(
+                            data.path,
+                            f"key {entry.display_key}: its chunk at {chunk.offsets} needs bytes "
+                            f"[{data.byte_offset}, {stop}) but the file has {size_of(data.path)} "
+                            "bytes; it is truncated: copy it again",
+                        )
+                except (ModelCheckpointError, OSError) as exc:
+                    problems.add(exc)
+                    bad.add(entry.key)
+    return bad
+
+
+def read_collecting(
+    loader: IndexedCheckpointLoader,
+    path: Path,
+    dims: Mapping[str, int],
+    skip: set[str],
+    problems: Problems,
+    stats: LoadStats,
+    progress: bool,
+) -> int:
+    """Read every byte of every key not in ``skip`` (whole tensors, every replica copy compared,
+    with ``pread`` so an I/O error is an error and not a crash); after a bad key, go on from
+    the next one. Returns the number of keys read cleanly."""
+    done: list[str] = []
+    skipped = set(skip)
+    while True:
+        drop = frozenset(skipped | set(done))
+        options = ModelCheckpointLoadOptions(
+            key_map=_drop(drop),
+            mmap=False,
+            verify_replicas=True,
+            verify_replicas_max_bytes=1 << 62,
+            stats=stats,
+            progress=progress,
+        )
+        order: list[str] = []
+        yielded = 0
+        try:
+            index, _ = loader.plan(path, dims, options)
+            order = list(index.entries)
+            if not order:
+                return len(done)
+            for key, tensor in loader.lazy_load(path, dims, options):
+                del tensor
+                done.append(key)
+                yielded += 1
+            return len(done)
+        except (ModelCheckpointError, ValueError, OSError) as exc:
+            failed = order[yielded] if yielded < len(order) else key_named(str(exc))
+            message = _one_line(exc)
+            if isinstance(exc, OSError) and failed is not None:
+                message = f"{path}: key {failed!r}: read failed: {message}"
+            problems.add(message)
+            if failed is None or failed in skipped:
+                return len(done)
+            skipped.add(failed)
+
+
+def check_zip_crcs(
+    index: CheckpointIndex, skip: set[str], problems: Problems, progress: bool
+) -> int:
+    """Check the CRC-32 that ``torch.save`` stores for every record of every zip file, naming
+    the keys whose bytes a bad record holds. Returns the bytes checked."""
+    owners: dict[Path, list[tuple[int, int, str]]] = {}
+    for entry in index:
+        for copy in entry.copies:
+            for chunk in copy:
+                if isinstance(chunk.data, FileRegion) and chunk.numel:
+                    region = chunk.data
+                    stop = region.byte_offset + entry.dtype.itemsize * span(
+                        chunk.sizes, region.strides
+                    )
+                    owners.setdefault(region.path, []).append(
+                        (region.byte_offset, stop, entry.key)
+                    )
+    zips = [f for f in index.files if zipfile.is_zipfile(f)]
+    total = sum(f.stat().st_size for f in zips)
+    checked = 0
+    with tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="checking CRC-32",
+        disable=not progress, leave=False, file=sys.stderr,
+    ) as bar:
+        for f in zips:
+            with open(f, "rb") as raw, zipfile.ZipFile(raw) as zf:
+                for info in zf.infolist():
+                    if info.CRC == 0 or info.file_size == 0:
+                        continue  # written without CRC-32s: nothing to compare with
+                    try:
+                        with zf.open(info) as member:
+                            while block := member.read(16 << 20):
+                                bar.update(len(block))
+                                checked += len(block)
+                    except zipfile.BadZipFile as exc:
+                        start = _record_start(raw, info)
+                        stop = start + info.file_size
+                        keys = sorted(
+                            {k for a, b, k in owners.get(f, []) if a < stop and b > start}
+                        )
+                        named = ", ".join(f"key {k!r}" for k in keys) or "no tensor"
+                        problems.add(
+                            f"{f}: {named}: record {info.filename} fails its CRC-32 check "
+                            f"({exc}); the bytes are damaged: copy the file again"
+                        )
+    return checked
+
+
+def _record_start(raw: Any, info: zipfile.ZipInfo) -> int:
+    raw.seek(info.header_offset)
+    header = raw.read(30)
+    name_len = int.from_bytes(header[26:28], "little")
+    extra_len = int.from_bytes(header[28:30], "little")
+    return int(info.header_offset) + 30 + name_len + extra_len
+
+
+def _data_files(loader: IndexedCheckpointLoader, path: Path) -> list[Path]:
+    """Files of a one-chunk-per-key folder, to check one by one when the whole set fails."""
+    if loader.name not in ("safetensors", "torch"):
+        return []
+    folder = path if path.is_dir() else path.parent
+    suffixes = (".safetensors",) if loader.name == "safetensors" else (".pt", ".pth", ".bin")
+    if path.is_file() and not path.name.endswith(".index.json"):
+        return []
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith(".")
+    )
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    progress = _progress_enabled() and not args.json
+    problems = Problems()
+    try:
+        loader = detect_loader(path)
+    except (ModelCheckpointError, FileNotFoundError) as exc:
+        problems.add(exc)
+        return _verify_report(args, path, None, problems, 0, 0, 0)
+    choice = resolve_shard_dims(args.shard_dims, loader, path)
+    dims = choice.dims
+    index, dropped = index_collecting(loader, path, dims, problems)
+    targets: list[tuple[IndexedCheckpointLoader, Path, CheckpointIndex, set[str]]] = []
+    if index is not None:
+        _warn_no_dims(choice, index)
+        targets.append((loader, path, index, dropped))
+    else:
+        for f in _data_files(loader, path):
+            try:
+                floader = detect_loader(f)
+            except ModelCheckpointError as exc:
+                problems.add(exc)
+                continue
+            findex, fdropped = index_collecting(floader, f, dims, problems)
+            if findex is not None:
+                targets.append((floader, f, findex, fdropped))
+    stats = LoadStats()
+    keys = files = read_ok = 0
+    crc_bytes = 0
+    for tloader, tpath, tindex, tdropped in targets:
+        keys += len(tindex) + len(tdropped)
+        files += len(tindex.files)
+        bad = check_entries(tindex, dims, problems) | tdropped
+        if args.read:
+            read_ok += read_collecting(tloader, tpath, dims, bad, problems, stats, progress)
+            crc_bytes += check_zip_crcs(tindex, bad, problems, progress)
+    return _verify_report(
+        args, path, index, problems, keys, files, stats.total_bytes_read + stats.bytes_verified + crc_bytes
+    )
+
+
+def _verify_report(
+    args: argparse.Namespace,
+    path: Path,
+    index: CheckpointIndex | None,
+    problems: Problems,
+    keys: int,
+    files: int,
+    bytes_read: int,
+) -> int:
+    ok = not problems
+    if args.json:
+        doc = {
+            "path": str(path),
+            "format": index.format if index is not None else None,
+            "ok": ok,
+            "problems": problems.items,
+            "keys": keys,
+            "files": files,
+            "read": bool(args.read),
+            "bytes_read": bytes_read,
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        what = f"{keys} keys in {files} file(s)"
+        for p in problems.items:
+            print(f"FAIL {p}")
+        if ok:
+            how = (
+                f"read all {human(bytes_read)}"
+                if args.read
+                else "metadata only; pass --read to read every byte"
+            )
+            print(f"OK: {path}: {what}, no problem found ({how})")
+        else:
+            print(f"{len(problems.items)} problem(s) found in {path} ({what})")
+    return EXIT_OK if ok else EXIT_CHECKPOINT
+
+
+# -- reshard -------------------------------------------------------------------------------
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from lazyckpt.writers import parse_size, reshard
+
+    src = Path(args.src)
+    max_shard = parse_size(args.max_shard_size)
+    loader = detect_loader(src)
+    choice = resolve_shard_dims(args.shard_dims, loader, src)
+    index = loader.index(src, choice.dims)
+    _warn_no_dims(choice, index, args.tp)
+    result = reshard(
+        src,
+        args.dst,
+        choice.dims,
+        tp=args.tp,
+        dp=args.dp,
+        fmt=args.format,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=max_shard,
+        force=args.force,
+        progress=_progress_enabled() and not args.json,
+        loader=loader,
+    )
+    if args.json:
+        doc = {
+            "src": str(src),
+            "dst": str(result.dst),
+            "format": result.format,
+            "layout": result.layout,
+            "shard_dims": {"source": choice.source, "dims": choice.concrete(list(index.entries))},
+            "files": [{"name": n, "bytes": b} for n, b in result.files],
+            "sidecars": result.sidecars,
+            "tensors": result.tensors,
+            "bytes_written": result.bytes_written,
+            "bytes_read": result.stats.total_bytes_read,
+            "seconds": result.stats.seconds,
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    print(
+        f"wrote {result.dst}: {result.layout} {result.format}, {len(result.files)} file(s), "
+        f"{result.tensors} tensors, {human(result.bytes_written)}"
+    )
+    rows = [[f"  {n}", human(b)] for n, b in result.files]
+    rows += [[f"  {n}", "(copied)"] for n in result.sidecars]
+    print(_table(rows, right=(1,)))
+    print(f"read {human(result.stats.total_bytes_read)} from {result.stats.files_read} file(s)")
+    return EXIT_OK
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from lazyckpt.demo import run_demo
+
+    return run_demo(
+        keep=Path(args.keep) if args.keep else None,
+        as_json=args.json,
+        progress=_progress_enabled() and not args.json,
+    )
+
+
+# -- the parser and main -------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser, *, json_help: str = "machine-readable output") -> None:
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+
+
+def _add_shard_dims(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shard-dims",
+        metavar="PRESET|FILE.json",
+        help=f"how keys are split across TP ranks: a preset ({', '.join(sorted(PRESETS))}) "
+        "or a JSON file {key: dim}; fairscale Llama folders are detected when left out",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lazyckpt import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lazyckpt",
+        description="Inspect, check and reshard PyTorch checkpoints lazily, one tensor at a time.",
+    )
+    parser.add_argument("--version", action="version", version=f"lazyckpt {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("inspect", help="format, source layout and every key (metadata only)")
+    p.add_argument("path", metavar="PATH")
+    _add_shard_dims(p)
+    _add_common(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("plan", help="dry run: the files, bytes and memory one rank's load needs")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--tp", type=_positive, required=True, metavar="N", help="TP size")
+    p.add_argument("--tp-rank", type=_rank, default=0, metavar="R", help="TP rank (default 0)")
+    p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (default 1)")
+    p.add_argument("--dp-rank", type=_rank, default=0, metavar="R", help="FSDP rank (default 0)")
+    _add_shard_dims(p)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors")
+    _add_common(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("verify", help="every check that can be made; exit 1 naming each problem")
+    p.add_argument("path", metavar="PATH")
+    _add_shard_dims(p)
+    p.add_argument(
+        "--read",
+        action="store_true",
+        help="also read every byte: compare replicas, check torch.save CRC-32s",
+    )
+    _add_common(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("reshard", help="write the checkpoint for another TP size, atomically")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--tp", type=_positive, required=True, metavar="N", help="target TP size")
+    p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (safetensors)")
+    _add_shard_dims(p)
+    p.add_argument(
+        "--format",
+        choices=("consolidated", "safetensors"),
+        default="consolidated",
+        help="consolidated.NN.pth per TP rank (default), or safetensors",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors shard with --tp 1, e.g. 5GB or 500MiB (default 5GB)",
+    )
+    p.add_argument("--force", action="store_true", help="replace a DST that is not empty")
+    _add_common(p)
+    p.set_defaults(func=cmd_reshard)
+
+    p = sub.add_parser("demo", help="build a small Llama MP-8 checkpoint and stream it to TP-2 and FSDP-4")
+    p.add_argument("--keep", metavar="DIR", help="build the checkpoint in DIR and keep it")
+    _add_common(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM cleans up like Ctrl-C (temporary folders removed) instead of killing outright."""
+    try:
+        old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 checkpoint, 2 usage, 130 Ctrl-C)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help, --version, or a usage error it printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    debug = bool(getattr(args, "debug", False))
+
+    def fail(code: int, exc: BaseException, prefix: str = "") -> int:
+        if debug:
+            traceback.print_exc()
+        print(f"lazyckpt: error: {prefix}{_one_line(exc)}", file=sys.stderr)
+        return code
+
+    try:
+        with _sigterm_as_interrupt():
+            return int(args.func(args))
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("lazyckpt: interrupted; nothing was left behind", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ModelCheckpointError as exc:
+        return fail(EXIT_CHECKPOINT, exc)
+    except ValueError as exc:
+        return fail(EXIT_USAGE, exc)
+    except FileNotFoundError as exc:
+        return fail(EXIT_CHECKPOINT, exc)
+    except OSError as exc:
+        return fail(EXIT_CHECKPOINT, exc)
+    except Exception as exc:
+        return fail(EXIT_CHECKPOINT, exc, "unexpected " + type(exc).__name__ + ": ") if debug else fail(
+            EXIT_CHECKPOINT, exc, f"unexpected {type(exc).__name__} (rerun with --debug): "
+        )
+
+
+def console_main() -> None:  # pragma: no cover - exercised through python -m lazyckpt
+    sys.exit(main())
+
+
+def _stdout() -> TextIO:
+    return sys.stdout
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

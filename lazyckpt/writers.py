@@ -1,0 +1,700 @@
+"""Write a checkpoint in a new layout, one tensor at a time, into a folder that appears whole.
+
+Every output file's layout is known before any tensor byte is read: the plan gives each key's
+target shape and the options its dtype. So a safetensors header is written first and each
+tensor lands at its offset as the stream delivers it, and a ``torch.save`` file is written with
+torch's own zip writer, pickle first and then one storage record per tensor, exactly as
+``torch.save`` lays it out. Memory stays at about one tensor (plus the loader's prefetch
+budget), never a rank's shard.
+
+Output goes to a temporary folder beside the destination; files and folder are fsync'd and the
+folder renamed into place only when complete. On any error, or Ctrl-C, the temporary folder is
+removed, so the destination either holds the whole new checkpoint or is left as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from lazyckpt.build import output_dtype
+from lazyckpt.index import contiguous_strides
+from lazyckpt.layout import Layout
+from lazyckpt.load_plan import TensorPlan, plan_load
+from lazyckpt.loader import IndexedCheckpointLoader
+from lazyckpt.loaders import detect_loader
+from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.stats import LoadStats
+
+__all__ = [
+    "DestinationError",
+    "OutputFormat",
+    "ReshardResult",
+    "SafetensorsWriter",
+    "TensorSpec",
+    "TorchSaveWriter",
+    "atomic_folder",
+    "parse_size",
+    "reshard",
+]
+
+OutputFormat = Literal["consolidated", "safetensors"]
+FORMATS: tuple[str, ...] = ("consolidated", "safetensors")
+
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+"""Hugging Face's default ``max_shard_size`` ("5GB")."""
+
+SIDECARS = ("params.json", "config.json", "generation_config.json")
+"""Small files that describe the model; carried over from a source folder as they are."""
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+class DestinationError(ValueError):
+    """The destination cannot be written as asked (not empty without ``force``, same as the
+    source ...): a usage problem, nothing is touched."""
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` (10**9, as Hugging Face counts), ``"500MiB"`` (2**20), or plain bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"size {text!r} is not a size: write bytes, or a number with KB/MB/GB/TB (powers "
+            "of 1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 5GB"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"size {text!r} must be at least 1 byte")
+    return value
+
+
+# -- output files ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What an output file will hold under ``key``, known before the data is read."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _check_tensor(path: Path, spec: TensorSpec, key: str, tensor: torch.Tensor) -> None:
+    if key != spec.key or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        raise RuntimeError(
+            f"{path}: expected key {spec.key!r} ({spec.dtype}, {spec.shape}) but the stream "
+            f"gave {key!r} ({tensor.dtype}, {tuple(tensor.shape)}); this is a lazyckpt bug"
+        )
+
+
+def _dense_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat CPU uint8 tensor (a view when it is already dense)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _attr, _name in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _attr):
+        _ST_DTYPES[getattr(torch, _attr)] = _name
+
+
+class SafetensorsWriter:
+    """A safetensors file written header first, then each tensor at its offset as it comes.
+
+    Tensors are laid out by descending item size (then name), as the safetensors writer does,
+    so every tensor starts aligned to its item size; they may arrive in any order.
+    """
+
+    def __init__(
+        self, path: Path, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+    ) -> None:
+        self.path = path
+        self.specs = {s.key: s for s in specs}
+        for s in specs:
+            if s.dtype not in _ST_DTYPES:
+                raise ValueError(
+                    f"key {s.key!r} has dtype {s.dtype}, which safetensors cannot store; "
+                    "pass --dtype or write --format consolidated"
+                )
+        order = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.key))
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        self.offsets: dict[str, int] = {}
+        cursor = 0
+        for s in order:
+            header[s.key] = {
+                "dtype": _ST_DTYPES[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [cursor, cursor + s.nbytes],
+            }
+            self.offsets[s.key] = cursor
+            cursor += s.nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self.data_start = 8 + len(raw)
+        self.size = self.data_start + cursor
+        self._pending = set(self.specs)
+        self._fd: int | None = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+        try:
+            os.ftruncate(self._fd, self.size)
+            _pwrite_all(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(key)
+        if spec is None or key not in self._pending or self._fd is None:
+            raise RuntimeError(f"{self.path}: key {key!r} is not due here; this is a lazyckpt bug")
+        _check_tensor(self.path, spec, key, tensor)
+        data = _dense_bytes(tensor)
+        if data.numel():
+            _pwrite_all(self._fd, memoryview(data.numpy()), self.data_start + self.offsets[key])
+        self._pending.discard(key)
+
+    @property
+    def complete(self) -> bool:
+        return not self._pending
+
+    def close(self) -> None:
+        """Check every tensor was written, then fsync and close."""
+        if self._fd is None:
+            return
+        if self._pending:
+            missing = sorted(self._pending)
+            self.abort()
+            raise RuntimeError(
+                f"{self.path}: {len(missing)} tensor(s) never arrived, e.g. {missing[0]!r}; "
+                "this is a lazyckpt bug"
+            )
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class _StorageStub:
+    """Stands for a tensor's storage in the pickle; torch.save's persistent id names it."""
+
+    def __init__(self, record: str, dtype: torch.dtype, numel: int) -> None:
+        self.record = record
+        self.dtype = dtype
+        self.numel = numel
+
+
+class _TensorStub:
+    """Pickles exactly as a dense CPU tensor does (``Tensor._reduce_ex_internal``)."""
+
+    def __init__(self, storage: _StorageStub, shape: tuple[int, ...]) -> None:
+        self.storage = storage
+        self.shape = shape
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        args: tuple[Any, ...] = (
+            self.storage,
+            0,
+            self.shape,
+            contiguous_strides(self.shape),
+            False,
+            collections.OrderedDict(),
+        )
+        if _typed_storage_name(self.storage.dtype) is None:
+            # Dtypes newer than typed storages (float8, uint16 ...): an untyped byte storage
+            # and the dtype spelled out, as torch.save does.
+            return (torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype))
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+def _typed_storage_name(dtype: torch.dtype) -> str | None:
+    return torch.storage._dtype_to_storage_type_map().get(dtype)
+
+
+class _StubPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _StorageStub):
+            return None
+        name = _typed_storage_name(obj.dtype)
+        if name is None:
+            nbytes = obj.numel * obj.dtype.itemsize
+            return ("storage", torch.storage.UntypedStorage, obj.record, "cpu", nbytes)
+        return ("storage", getattr(torch, name), obj.record, "cpu", obj.numel)
+
+
+class TorchSaveWriter:
+    """A ``torch.save`` file of a flat ``{key: tensor}`` dict, written one tensor at a time.
+
+    The pickle only needs shapes and dtypes, so it is written first; then each tensor is one
+    storage record, appended as it arrives (in ``specs`` order), with torch's own zip writer.
+    The records are those ``torch.save`` writes for the same dict, byte for byte.
+    """
+
+    def __init__(self, path: Path, specs: Sequence[TensorSpec]) -> None:
+        self.path = path
+        self.specs = list(specs)
+        self._next = 0
+        stubs = {}
+        for i, s in enumerate(self.specs):
+            numel = s.nbytes // s.dtype.itemsize
+            stubs[s.key] = _TensorStub(_StorageStub(str(i), s.dtype, numel), s.shape)
+        buf = io.BytesIO()
+        _StubPickler(buf, protocol=2).dump(stubs)
+        pkl = buf.getvalue()
+        self._stream: Any = None
+        name = str(path)
+        crc = torch.serialization.get_crc32_options()
+        align = _storage_alignment()
+        if name.isascii():
+            self._writer: Any = torch._C.PyTorchFileWriter(name, crc, align)
+        else:  # the C++ writer only takes ASCII names; torch.save falls back the same way
+            self._stream = open(path, "xb")  # noqa: SIM115 - closed in close()/abort()
+            self._writer = torch._C.PyTorchFileWriter(self._stream, crc, align)
+        self._writer.write_record("data.pkl", pkl, len(pkl))
+        self._writer.write_record(".format_version", "1", 1)
+        self._writer.write_record(".storage_alignment", str(align), len(str(align)))
+        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self.specs)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self._writer is None or self._next >= len(self.specs):
+            raise RuntimeError(f"{self.path}: key {key!r} is not due here; this is a lazyckpt bug")
+        spec = self.specs[self._next]
+        _check_tensor(self.path, spec, key, tensor)
+        data = _dense_bytes(tensor)
+        if data.untyped_storage().nbytes() != data.numel() or data.storage_offset() != 0:
+            data = data.clone()  # a record is a whole storage: copy out a view into a larger one
+        self._writer.write_record(f"data/{self._next}", data.untyped_storage(), data.numel())
+        self._next += 1
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        if not self.complete:
+            missing = self.specs[self._next].key
+            self.abort()
+            raise RuntimeError(
+                f"{self.path}: tensors from {missing!r} on never arrived; this is a lazyckpt bug"
+            )
+        writer, self._writer = self._writer, None
+        writer.write_end_of_file()
+        del writer
+        if self._stream is not None:
+            self._stream.close()
+        with open(self.path, "rb+") as f:
+            os.fsync(f.fileno())
+
+    def abort(self) -> None:
+        self._writer = None  # the C++ writer closes its file when released
+        if self._stream is not None:
+            self._stream.close()
+
+
+def _storage_alignment() -> int:
+    get = getattr(torch.serialization, "_get_storage_alignment", None)
+    return int(get()) if get is not None else 64
+
+
+# -- the destination ---------------------------------------------------------------------------
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return inner == outer or inner.is_relative_to(outer)
+
+
+@contextmanager
+def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
+    """A temporary folder beside ``dst`` that becomes ``dst`` when the block succeeds.
+
+    ``dst`` may be missing or an empty folder; with ``force`` anything there is replaced (moved
+    aside, then deleted once the new folder is in place). Files written in the block must be
+    fsync'd by their writers; the folder and its parent are fsync'd here. On any exception,
+    KeyboardInterrupt included, the temporary folder and any parent folders created for it are
+    removed and ``dst`` is left as it was.
+    """
+    dst = Path(os.path.abspath(dst))
+    if dst.exists() or dst.is_symlink():
+        if not force and not (dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())):
+            what = "a folder that is not empty" if dst.is_dir() else "a file"
+            raise DestinationError(
+                f"{dst} is {what}; choose a new destination or pass --force to replace it"
+            )
+    created: list[Path] = []
+    parent = dst.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    for p in reversed(created):
+        p.mkdir()
+    tmp: Path | None = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-tmp", dir=dst.parent))
+        yield tmp
+        _fsync_dir(tmp)
+        _publish(tmp, dst)
+        tmp = None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for p in created:
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Rename ``tmp`` to ``dst``, replacing whatever is there, then fsync the parent."""
+    old: Path | None = None
+    if dst.exists() or dst.is_symlink():
+        if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+            dst.rmdir()
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent))
+            os.rename(dst, old / "old")
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        if old is not None:
+            os.rename(old / "old", dst)
+            old.rmdir()
+        raise
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- resharding --------------------------------------------------------------------------------
+
+
+@dataclass
+class OutputFile:
+    """One file of the output: its name, the rank whose tensors it holds, and those tensors."""
+
+    name: str
+    layout: Layout
+    specs: list[TensorSpec]
+    kind: Literal["torch", "safetensors"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class ReshardResult:
+    """What a reshard wrote and read."""
+
+    dst: Path
+    format: str
+    layout: str
+    files: list[tuple[str, int]]
+    """``(file name, tensor bytes)`` of each output file."""
+    sidecars: list[str]
+    tensors: int
+    bytes_written: int
+    stats: LoadStats = field(default_factory=LoadStats)
+
+
+def _specs(plans: Sequence[TensorPlan], dtype: torch.dtype | None) -> list[TensorSpec]:
+    return [
+        TensorSpec(p.key, output_dtype(p.entry.dtype, dtype), tuple(p.box.sizes)) for p in plans
+    ]
+
+
+def hf_shards(specs: Sequence[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
+    """Hugging Face's greedy split in key order: a new shard when the next tensor would pass
+    ``max_shard_size``; a tensor larger than that gets a shard of its own."""
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for s in specs:
+        if s.nbytes > max_shard_size:
+            shards.append([s])
+            continue
+        if current and size + s.nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += s.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def plan_outputs(
+    plans_for: Callable[[Layout], list[TensorPlan]],
+    *,
+    tp: int,
+    dp: int,
+    fmt: str,
+    dtype: torch.dtype | None,
+    max_shard_size: int,
+) -> list[OutputFile]:
+    """The output files and what each holds, from the plans alone (no tensor data)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "consolidated" and dp > 1:
+        raise ValueError(
+            "--format consolidated writes one file per TP rank (fairscale MP-N) and has no "
+            "place for FSDP shards; use --dp 1, or --format safetensors for one file per rank"
+        )
+    outputs: list[OutputFile] = []
+    if fmt == "consolidated":
+        width = max(2, len(str(tp - 1)))
+        for r in range(tp):
+            layout = Layout(tp_size=tp, tp_rank=r)
+            name = f"consolidated.{r:0{width}d}.pth"
+            outputs.append(OutputFile(name, layout, _specs(plans_for(layout), dtype), "torch"))
+        return outputs
+    if tp == 1 and dp == 1:
+        layout = Layout()
+        shards = hf_shards(_specs(plans_for(layout), dtype), max_shard_size)
+        n = len(shards)
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            outputs.append(OutputFile(name, layout, shard, "safetensors"))
+        return outputs
+    for r in range(tp):
+        for d in range(dp):
+            layout = Layout(tp_size=tp, tp_rank=r, dp_size=dp, dp_rank=d)
+            parts = ([f"tp{r:02d}"] if tp > 1 else []) + ([f"dp{d:02d}"] if dp > 1 else [])
+            name = f"model-{'-'.join(parts)}.safetensors"
+            outputs.append(OutputFile(name, layout, _specs(plans_for(layout), dtype), "safetensors"))
+    return outputs
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    shard_dims: Mapping[str, int],
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    fmt: str = "consolidated",
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    force: bool = False,
+    progress: bool = False,
+    options: ModelCheckpointLoadOptions | None = None,
+    loader: IndexedCheckpointLoader | None = None,
+) -> ReshardResult:
+    """Write ``src`` to ``dst`` for ``tp`` x ``dp`` ranks, streaming one tensor at a time.
+
+    Everything that can fail before writing (format, shard dims, layout, destination) fails
+    before the temporary folder is made. Each rank's tensors are streamed with ``lazy_load`` for
+    that rank, so only its bytes are read.
+    """
+    src_path = Path(src)
+    dst_path = Path(os.path.abspath(dst))
+    loader = loader or detect_loader(src_path)
+    src_abs = Path(os.path.abspath(src_path))
+    src_root = src_abs if src_path.is_dir() else src_abs.parent
+    if _is_within(src_abs, dst_path) or (src_path.is_dir() and _is_within(dst_path, src_abs)):
+        raise DestinationError(
+            f"{dst_path} overlaps the source {src_abs}; write the new checkpoint elsewhere"
+        )
+    Layout(tp_size=tp, dp_size=dp)  # rejects sizes < 1 with a ValueError naming the field
+    base = options or ModelCheckpointLoadOptions()
+    stats = base.stats if base.stats is not None else LoadStats()
+    base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
+    index = loader.index(src_path, shard_dims, base)
+    cache: dict[Layout, list[TensorPlan]] = {}
+
+    def plans_for(layout: Layout) -> list[TensorPlan]:
+        if layout not in cache:
+            cache[layout] = plan_load(
+                index,
+                shard_dims,
+                layout,
+                verify_replicas=base.verify_replicas,
+                verify_max_bytes=base.verify_replicas_max_bytes,
+            )
+        return cache[layout]
+
+    outputs = plan_outputs(
+        plans_for, tp=tp, dp=dp, fmt=fmt, dtype=dtype, max_shard_size=max_shard_size
+    )
+    for out in outputs:
+        if out.kind == "safetensors":
+            for s in out.specs:
+                if s.dtype not in _ST_DTYPES:
+                    raise ValueError(
+                        f"key {s.key!r} has dtype {s.dtype}, which safetensors cannot store; "
+                        "pass --dtype or use --format consolidated"
+                    )
+    sidecars = [n for n in SIDECARS if src_path.is_dir() and (src_root / n).is_file()]
+    total = sum(o.nbytes for o in outputs)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="writing",
+        disable=not progress,
+        leave=False,
+        file=sys.stderr,
+    )
+    with bar, atomic_folder(dst_path, force=force) as tmp:
+        by_layout: dict[Layout, list[OutputFile]] = {}
+        for out in outputs:
+            by_layout.setdefault(out.layout, []).append(out)
+        for layout, files in by_layout.items():
+            _write_rank(loader, src_path, shard_dims, replace(base, layout=layout), files, tmp, bar)
+        if fmt == "safetensors" and tp == 1 and dp == 1:
+            weight_map = {s.key: o.name for o in outputs for s in o.specs}
+            doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_small(tmp / "model.safetensors.index.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        for name in sidecars:
+            _write_small(tmp / name, (src_root / name).read_bytes())
+    return ReshardResult(
+        dst=dst_path,
+        format=fmt,
+        layout=f"TP-{tp}" + (f" x FSDP-{dp}" if dp > 1 else ""),
+        files=[(o.name, o.nbytes) for o in outputs],
+        sidecars=sidecars,
+        tensors=sum(len(o.specs) for o in outputs),
+        bytes_written=total,
+        stats=stats,
+    )
+
+
+def _write_small(path: Path, data: str | bytes) -> None:
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    with open(path, "xb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_rank(
+    loader: IndexedCheckpointLoader,
+    src: Path,
+    shard_dims: Mapping[str, int],
+    options: ModelCheckpointLoadOptions,
+    files: list[OutputFile],
+    folder: Path,
+    bar: tqdm,
+) -> None:
+    """Stream one rank's tensors into its output files, opening each file when its first
+    tensor comes and closing it when its last one is written."""
+    target: dict[str, OutputFile] = {s.key: f for f in files for s in f.specs}
+    open_writers: dict[str, SafetensorsWriter | TorchSaveWriter] = {}
+    stream = loader.lazy_load(src, shard_dims, options)
+    try:
+        for f in files:
+            if not f.specs:  # an empty shard: no tensor will ever open it
+                open_writers[f.name] = _open_writer(folder, f)
+        for key, tensor in stream:
+            out = target[key]
+            writer = open_writers.get(out.name)
+            if writer is None:
+                writer = open_writers[out.name] = _open_writer(folder, out)
+            bar.set_description(f"writing {out.name}", refresh=False)
+            writer.write(key, tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            del tensor
+            bar.update(nbytes)
+            if writer.complete:
+                writer.close()
+        for f in files:
+            w = open_writers.get(f.name)
+            if w is None:
+                raise RuntimeError(f"{folder / f.name}: no tensor arrived; this is a lazyckpt bug")
+            w.close()
+    except BaseException:
+        for w in open_writers.values():
+            w.abort()
+        raise
+    finally:
+        stream.close()  # type: ignore[attr-defined]  # stops the prefetch thread at once
+
+
+def _open_writer(folder: Path, out: OutputFile) -> SafetensorsWriter | TorchSaveWriter:
+    if out.kind == "torch":
+        return TorchSaveWriter(folder / out.name, out.specs)
+    return SafetensorsWriter(folder / out.name, out.specs, {"format": "pt"})

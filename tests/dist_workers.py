@@ -1,0 +1,227 @@
+"""Code that runs in spawned ranks (gloo on the CPU): a tiny Llama-shaped model built from
+fairscale's own model-parallel layers or from plain torch layers, and the workers the tests spawn.
+
+Everything here is importable by a spawned child, so it lives at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+DIM, VOCAB, HIDDEN, N_HEADS_DIM, N_KV_DIM, N_LAYERS = 16, 52, 24, 16, 8, 2
+TOKENS = torch.tensor([[1, 5, 9, 51, 0, 33]])
+
+
+# -- spawning --------------------------------------------------------------------------------
+
+
+def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes joined by a gloo process group."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(fn, world, os.path.join(d, "pg"), args), nprocs=world, join=True)
+
+
+def _entry(rank: int, fn: Callable[..., None], world: int, init_file: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Rope(nn.Module):
+    """Holds ``rope.freqs``, the replicated buffer of Llama-1 files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freqs", torch.linspace(0.1, 1.0, DIM // 2))
+
+
+def _layers(parallel: bool, llama2: bool) -> dict[str, Callable[..., nn.Module]]:
+    if not parallel:
+        return {
+            "emb": lambda v, d: nn.Embedding(v, d),
+            "col": lambda i, o, gather=False: nn.Linear(i, o, bias=False),
+            "row": lambda i, o: nn.Linear(i, o, bias=False),
+        }
+    from fairscale.nn.model_parallel.layers import (
+        ColumnParallelLinear,
+        ParallelEmbedding,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    init = nn.init.normal_
+    emb_cls = ParallelEmbedding if llama2 else VocabParallelEmbedding
+    return {
+        "emb": lambda v, d: emb_cls(v, d, init_method=init),
+        "col": lambda i, o, gather=False: ColumnParallelLinear(
+            i, o, bias=False, gather_output=gather, init_method=init
+        ),
+        "row": lambda i, o: RowParallelLinear(i, o, bias=False, input_is_parallel=True, init_method=init),
+    }
+
+
+class Attention(nn.Module):
+    def __init__(self, L: dict[str, Callable[..., nn.Module]]) -> None:
+        super().__init__()
+        self.wq = L["col"](DIM, N_HEADS_DIM)
+        self.wk = L["col"](DIM, N_KV_DIM)  # grouped-query: fewer k/v features than q
+        self.wv = L["col"](DIM, N_KV_DIM)
+        self.wo = L["row"](N_HEADS_DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        rep = N_HEADS_DIM // N_KV_DIM
+        return self.wo(torch.nn.functional.silu(q) * k.repeat_interleave(rep, -1) + v.repeat_interleave(rep, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, L: dict[str, Callable[..., nn.Module]]) -> None:
+        super().__init__()
+        self.w1 = L["col"](DIM, HIDDEN)
+        self.w2 = L["row"](HIDDEN, DIM)
+        self.w3 = L["col"](DIM, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, L: dict[str, Callable[..., nn.Module]]) -> None:
+        super().__init__()
+        self.attention = Attention(L)
+        self.feed_forward = FeedForward(L)
+        self.attention_norm = RMSNorm(DIM)
+        self.ffn_norm = RMSNorm(DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TinyLlama(nn.Module):
+    """Meta's key names: tok_embeddings, layers.N.attention.wq ..., norm, output, rope.freqs."""
+
+    def __init__(self, *, parallel: bool = False, llama2: bool = False, rope: bool = False) -> None:
+        super().__init__()
+        L = _layers(parallel, llama2)
+        self.tok_embeddings = L["emb"](VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(L) for _ in range(N_LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.output = L["col"](DIM, VOCAB, gather=True)
+        self.rope = Rope() if rope else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.rope is not None:
+            h = h + self.rope.freqs.sum()
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def randomize_replicas(model: nn.Module) -> None:
+    """Give norms (and rope) seeded non-trivial values, identical on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+
+def logits_path(folder: Path) -> Path:
+    """Where the model-parallel logits of a saved checkpoint go (beside it, not inside it)."""
+    return folder.with_name(folder.name + "-logits.pt")
+
+
+def save_fairscale(rank: int, world: int, out: str, llama2: bool, rope: bool, dtype: str) -> None:
+    """Build the model with fairscale MP-``world``, save ``consolidated.NN.pth`` per rank and,
+    on rank 0, the model-parallel logits."""
+    import fairscale.nn.model_parallel.initialize as fsi
+
+    fsi.initialize_model_parallel(world)
+    torch.manual_seed(0)
+    model = TinyLlama(parallel=True, llama2=llama2, rope=rope)
+    randomize_replicas(model)
+    model = model.to(getattr(torch, dtype))
+    with torch.no_grad():
+        logits = model(TOKENS)
+    torch.save(model.state_dict(), Path(out) / f"consolidated.{rank:02d}.pth")
+    if rank == 0:
+        torch.save(logits, logits_path(Path(out)))
+        (Path(out) / "params.json").write_text('{"dim": %d, "n_layers": %d}' % (DIM, N_LAYERS))
+    fsi.destroy_model_parallel()
+
+
+def fairscale_forward_from_lazy_load(rank: int, world: int, src: str, out: str, llama2: bool, rope: bool) -> None:
+    """A fairscale MP-``world`` model filled by ``lazy_load`` with its own TP layout."""
+    import fairscale.nn.model_parallel.initialize as fsi
+
+    import lazyckpt
+
+    fsi.initialize_model_parallel(world)
+    model = TinyLlama(parallel=True, llama2=llama2, rope=rope)
+    dims = lazyckpt.get_shard_dims(model)
+    opts = lazyckpt.ModelCheckpointLoadOptions(layout=lazyckpt.Layout(tp_size=world, tp_rank=rank))
+    state = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(src, dims, opts))
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model(TOKENS)
+    if rank == 0:
+        torch.save(logits, Path(out) / f"logits-tp{world}.pt")
+    fsi.destroy_model_parallel()
+
+
+def fsdp_forward_from_load_into(rank: int, world: int, src: str, out: str, llama2: bool, rope: bool,
+                                meta: bool) -> None:
+    """A plain model wrapped with FSDP2 (dim-0 shards on a CPU mesh), filled by ``load_into``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lazyckpt
+
+    mesh = init_device_mesh("cpu", (world,))
+    if meta:
+        with torch.device("meta"):
+            model = TinyLlama(llama2=llama2, rope=rope)
+    else:
+        model = TinyLlama(llama2=llama2, rope=rope)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if meta:
+        model.to_empty(device="cpu")
+    stats = lazyckpt.LoadStats()
+    report = lazyckpt.load_into(model, src, options=lazyckpt.ModelCheckpointLoadOptions(stats=stats))
+    assert not report.missing and not report.unexpected, report
+    with torch.no_grad():
+        logits = model(TOKENS)
+    if rank == 0:
+        torch.save(logits, Path(out) / f"logits-fsdp{world}.pt")
+    torch.save(dict(stats.bytes_read), Path(out) / f"bytes-read-{rank}.pt")

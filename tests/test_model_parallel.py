@@ -1,0 +1,195 @@
+"""Model-parallel sources: fairscale ``consolidated.NN.pth`` written by fairscale's own layers in
+real gloo process groups, and fairseq2 ``pp_XX/tp_XX/sdp_XX.pt`` shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_workers import (
+    TOKENS,
+    TinyLlama,
+    fairscale_forward_from_lazy_load,
+    fsdp_forward_from_load_into,
+    logits_path,
+    save_fairscale,
+    spawn,
+)
+from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
+
+import lazyckpt
+
+pytest.importorskip("fairscale")
+
+MP = 4
+
+
+def _save(tmp: Path, *, llama2: bool, rope: bool, dtype: str = "float32") -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    spawn(save_fairscale, MP, str(tmp), llama2, rope, dtype)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("mp4-llama3"), llama2=False, rope=False)
+
+
+@pytest.fixture(scope="module")
+def llama2_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("mp4-llama2-bf16"), llama2=True, rope=True, dtype="bfloat16")
+
+
+def full_tensors(folder: Path, dims: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The oracle: torch.load every rank file, torch.cat the shards, check the replicas agree."""
+    ranks = [torch.load(folder / f"consolidated.{r:02d}.pth", weights_only=True) for r in range(MP)]
+    out = {}
+    for key in ranks[0]:
+        if key in dims:
+            out[key] = torch.cat([sd[key] for sd in ranks], dims[key])
+        else:
+            assert all(torch.equal(sd[key], ranks[0][key]) for sd in ranks)
+            out[key] = ranks[0][key]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["llama3", "llama2_bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_fairscale_into_every_layout(request: pytest.FixtureRequest, preset: str,
+                                     layout: lazyckpt.Layout) -> None:
+    folder = request.getfixturevalue(preset)
+    keys = torch.load(folder / "consolidated.00.pth", weights_only=True).keys()
+    dims = lazyckpt.preset_shard_dims(f"{preset[:6]}-fairscale", keys)
+    full = full_tensors(folder, dims)
+    got = load_all(folder, dims, layout=layout)
+    assert list(got) == list(full)
+    for key, t in full.items():
+        assert same_bits(got[key], expected(t, dims.get(key), layout)), key
+    if preset == "llama2_bf16":
+        assert dims["tok_embeddings.weight"] == 1 and "rope.freqs" in got
+
+
+def test_fairscale_reads_only_the_files_it_needs(llama3: Path) -> None:
+    keys = torch.load(llama3 / "consolidated.00.pth", weights_only=True).keys()
+    dims = lazyckpt.preset_shard_dims("llama3-fairscale", keys)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    for layout, files in (
+        (lazyckpt.Layout(tp_size=4, tp_rank=2), {"consolidated.02.pth"}),
+        (lazyckpt.Layout(tp_size=2, tp_rank=0), {"consolidated.00.pth", "consolidated.01.pth"}),
+        (lazyckpt.Layout(tp_size=8, tp_rank=7), {"consolidated.03.pth"}),
+    ):
+        stats = lazyckpt.LoadStats()
+        stream = loader.lazy_load(llama3, dims, lazyckpt.ModelCheckpointLoadOptions(layout=layout, stats=stats))
+        with opened_files() as seen:
+            for _ in stream:
+                pass
+        assert {Path(p).name for p in seen} == files, layout
+        assert {Path(p).name for p, n in stats.bytes_read.items() if n} == files
+
+
+def test_fairscale_fsdp_reads_a_slice_of_every_file(llama3: Path) -> None:
+    keys = torch.load(llama3 / "consolidated.00.pth", weights_only=True).keys()
+    dims = lazyckpt.preset_shard_dims("llama3-fairscale", keys)
+    total = sum((llama3 / f"consolidated.{r:02d}.pth").stat().st_size for r in range(MP))
+    stats = lazyckpt.LoadStats()
+    load_all(llama3, dims, layout=lazyckpt.Layout(dp_size=4, dp_rank=1), stats=stats)
+    assert stats.bytes_delivered <= stats.total_bytes_read <= stats.bytes_delivered * 1.05 + 4096
+    assert stats.total_bytes_read < total / 4 * 1.05
+
+
+def test_fairscale_replica_that_differs_is_caught(tmp_path: Path, llama3: Path) -> None:
+    for r in range(MP):
+        sd = torch.load(llama3 / f"consolidated.{r:02d}.pth", weights_only=True)
+        if r == 2:
+            sd["norm.weight"] = sd["norm.weight"] + 1
+        torch.save(sd, tmp_path / f"consolidated.{r:02d}.pth")
+    dims = lazyckpt.preset_shard_dims("llama3-fairscale", sd.keys())
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"norm\.weight.*replica"):
+        load_all(tmp_path, dims)
+    # Forgetting a sharded key in shard_dims looks like a replica whose copies differ.
+    dims.pop("layers.0.attention.wq.weight")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"wq\.weight.*add it to shard_dims"):
+        load_all(llama3, dims)
+
+
+def test_fairscale_into_plain_model_reproduces_logits(llama3: Path, llama2_bf16: Path) -> None:
+    reference = torch.load(logits_path(llama3), weights_only=True)
+    model = TinyLlama()
+    report = lazyckpt.load_into(model, llama3)  # shard dims inferred from the model's shapes
+    assert report.shard_dims["layers.1.feed_forward.w2.weight"] == 1
+    assert report.shard_dims["tok_embeddings.weight"] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), reference, rtol=1e-5, atol=1e-5)
+    # A meta-device model comes out complete, llama2 layout and rope.freqs included.
+    with torch.device("meta"):
+        meta = TinyLlama(llama2=True, rope=True).to(torch.bfloat16)
+    report = lazyckpt.load_into(meta, llama2_bf16)
+    assert report.shard_dims["tok_embeddings.weight"] == 1
+    assert not any(p.is_meta for p in meta.parameters()) and not meta.rope.freqs.is_meta
+    with torch.no_grad():
+        got, want = meta(TOKENS).float(), torch.load(logits_path(llama2_bf16)).float()
+    # bf16 sums in another order (no all-reduce here): close relative to the logits' scale.
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_fairscale_mp4_into_tp2_fairscale_model(tmp_path: Path, llama3: Path) -> None:
+    spawn(fairscale_forward_from_lazy_load, 2, str(llama3), str(tmp_path), False, False)
+    got = torch.load(tmp_path / "logits-tp2.pt", weights_only=True)
+    torch.testing.assert_close(got, torch.load(logits_path(llama3)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_fairscale_into_fsdp2_model(tmp_path: Path, llama3: Path, meta: bool) -> None:
+    spawn(fsdp_forward_from_load_into, 2, str(llama3), str(tmp_path), False, False, meta)
+    got = torch.load(tmp_path / "logits-fsdp2.pt", weights_only=True)
+    torch.testing.assert_close(got, torch.load(logits_path(llama3)), rtol=1e-5, atol=1e-5)
+    # Each FSDP rank read about half of the checkpoint, not all of it.
+    total = sum(n for n in torch.load(tmp_path / "bytes-read-0.pt").values()) + sum(
+        n for n in torch.load(tmp_path / "bytes-read-1.pt").values()
+    )
+    files = sum((llama3 / f"consolidated.{r:02d}.pth").stat().st_size for r in range(MP))
+    assert total <= files
+
+
+# -- fairseq2 native ---------------------------------------------------------------------------
+
+
+def write_fairseq2(root: Path, full: dict[str, torch.Tensor], dims: dict[str, int], *,
+                   pp: dict[str, int], tp: int, sdp: int) -> None:
+    """``pp_XX/tp_XX/sdp_XX.pt`` with torch.save: TP split on each key's dim, then dim-0 split
+    of each TP shard across SDP ranks (uneven where sizes do not divide)."""
+    for stage in sorted(set(pp.values())):
+        for t in range(tp):
+            for s in range(sdp):
+                part = {}
+                for key, tensor in full.items():
+                    if pp[key] != stage:
+                        continue
+                    local = torch.tensor_split(tensor, tp, dims[key])[t] if key in dims else tensor
+                    part[key] = torch.tensor_split(local, sdp, 0)[s].clone() if local.dim() else local
+                folder = root / f"pp_{stage:02d}" / f"tp_{t:02d}"
+                folder.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": part, "fs2": True}, folder / f"sdp_{s:02d}.pt")
+
+
+def test_fairseq2_native_into_every_layout(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    full = {
+        "embed.weight": torch.randn(30, 8, generator=g),
+        "layers.0.proj.weight": torch.randn(12, 8, generator=g),
+        "layers.0.out.weight": torch.randn(8, 12, generator=g).bfloat16(),
+        "layers.1.norm.weight": torch.randn(8, generator=g),
+        "final.scale": torch.tensor(2.0),
+    }
+    dims = {"embed.weight": 0, "layers.0.proj.weight": 0, "layers.0.out.weight": 1}
+    pp = {"embed.weight": 0, "layers.0.proj.weight": 0, "layers.0.out.weight": 0,
+          "layers.1.norm.weight": 1, "final.scale": 1}
+    write_fairseq2(tmp_path, full, dims, pp=pp, tp=2, sdp=3)
+    for layout in LAYOUTS:
+        got = load_all(tmp_path, dims, layout=layout)
+        assert set(got) == set(full)
+        for key, t in full.items():
+            assert same_bits(got[key], expected(t, dims.get(key), layout)), (key, layout)
+    index = lazyckpt.loaders.detect_loader(tmp_path).index(tmp_path, dims)
+    assert index.format == "fairseq2" and index.source_layout == "PP-2 x TP-2 x SDP-3"
