@@ -25,9 +25,20 @@ TOKENS = torch.tensor([[1, 5, 9, 51, 0, 33]])
 
 
 def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes joined by a gloo process group."""
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
+
+    Processes come from a fork server that imported torch once (importing torch costs seconds
+    per process here); each child is still a clean process that never ran tensor code.
+    """
+    mp.set_forkserver_preload(["torch", "torch.distributed", "dist_workers", "lazyckpt"])
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(fn, world, os.path.join(d, "pg"), args), nprocs=world, join=True)
+        mp.start_processes(
+            _entry,
+            args=(fn, world, os.path.join(d, "pg"), args),
+            nprocs=world,
+            join=True,
+            start_method="forkserver",
+        )
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, init_file: str, args: tuple[Any, ...]) -> None:
@@ -225,3 +236,105 @@ def fsdp_forward_from_load_into(rank: int, world: int, src: str, out: str, llama
     if rank == 0:
         torch.save(logits, Path(out) / f"logits-fsdp{world}.pt")
     torch.save(dict(stats.bytes_read), Path(out) / f"bytes-read-{rank}.pt")
+
+
+# -- DTensor models (FSDP2, TP, FSDP2 + TP) ----------------------------------------------------
+
+
+class OddModel(nn.Module):
+    """Shapes that do not divide by 2 or 4, a bias of each kind and a 0-d int buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(53, 6)
+        self.up = nn.Linear(6, 7)
+        self.down = nn.Linear(7, 5)
+        self.norm = nn.LayerNorm(5)
+        self.register_buffer("steps", torch.tensor(3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.relu(self.up(self.embed(tokens)))))
+
+
+ODD_TP_DIMS = {"embed.weight": 0, "up.weight": 0, "up.bias": 0, "down.weight": 1}
+
+
+def odd_model_truth() -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    model = OddModel()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-1, 1)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def build_odd(
+    kind: str, world: int, *, meta: bool = False, init: dict[str, torch.Tensor] | None = None
+) -> tuple[nn.Module, Any]:
+    """``OddModel`` parallelized with torch's own APIs: ``fsdp2`` (1-D), ``tp`` (1-D) or ``2d``
+    (``dp`` x ``tp`` mesh, TP first, then FSDP2 over the DP dim)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if meta:
+        with torch.device("meta"):
+            model = OddModel()
+    else:
+        torch.manual_seed(99)  # other values than the truth: loading must overwrite them
+        model = OddModel()
+        if init is not None:
+            model.load_state_dict(init)
+    plan = {"embed": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    if kind == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        fully_shard(model, mesh=mesh)
+    elif kind == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, plan)
+    elif kind == "2d":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan)
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        raise ValueError(kind)
+    if meta:
+        model.to_empty(device="cpu")
+    return model, mesh
+
+
+def save_odd_dcp(rank: int, world: int, kind: str, out: str) -> None:
+    """``dcp.save`` of ``OddModel``'s state dict from a ``kind`` model holding the truth."""
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = build_odd(kind, world, init=odd_model_truth())
+    dcp.save(model.state_dict(), checkpoint_id=out)
+
+
+def check_load_into(rank: int, world: int, kind: str, src: str, meta: bool) -> None:
+    """``load_into`` a ``kind`` model, then every ``full_tensor()`` must equal the truth; and
+    ``lazy_load`` with the model's mesh must yield DTensors that agree too."""
+    import lazyckpt
+
+    truth = odd_model_truth()
+    model, mesh = build_odd(kind, world, meta=meta)
+    dims = lazyckpt.get_shard_dims(model)
+    assert dims == ({} if kind == "fsdp2" else ODD_TP_DIMS), dims
+    stats = lazyckpt.LoadStats()
+    report = lazyckpt.load_into(model, src, options=lazyckpt.ModelCheckpointLoadOptions(stats=stats))
+    assert not report.missing and not report.unexpected, report
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        assert full.dtype == truth[name].dtype and torch.equal(full, truth[name]), (kind, name)
+    # Each rank read its own bytes, not the whole checkpoint.
+    if world > 1 and kind != "tp":
+        total = sum(v.nbytes for v in truth.values())
+        assert stats.bytes_delivered < total, (stats.bytes_delivered, total)
+    opts = lazyckpt.ModelCheckpointLoadOptions(mesh=mesh)
+    for name, t in lazyckpt.get_model_checkpoint_loader().lazy_load(src, dims, opts):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        assert torch.equal(full, truth[name]), ("lazy_load mesh", kind, name)

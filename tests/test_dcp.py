@@ -1,0 +1,66 @@
+"""torch.distributed.checkpoint folders written by ``dcp.save`` from FSDP2 and 2-D (FSDP2 + TP)
+models in real gloo process groups, read into every layout and compared bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_workers import ODD_TP_DIMS, odd_model_truth, save_odd_dcp, spawn
+from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
+
+import lazyckpt
+
+
+@pytest.fixture(scope="module")
+def dcp_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dcp")
+    saves = {"fsdp2": (root / "fsdp2", 3), "2d": (root / "2d", 4), "tp": (root / "tp", 2)}
+    for kind, (folder, world) in saves.items():
+        spawn(save_odd_dcp, world, kind, str(folder))
+    single = root / "single"
+    dcp.save(odd_model_truth(), checkpoint_id=str(single))  # one process, no process group
+    return {**{k: f for k, (f, _) in saves.items()}, "single": single}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("kind", ["fsdp2", "2d", "tp", "single"])
+def test_dcp_into_every_layout(dcp_saves: dict[str, Path], kind: str, layout: lazyckpt.Layout) -> None:
+    truth = odd_model_truth()
+    got = load_all(dcp_saves[kind], ODD_TP_DIMS, layout=layout)
+    assert set(got) == set(truth)
+    for key, t in truth.items():
+        assert same_bits(got[key], expected(t, ODD_TP_DIMS.get(key), layout)), (kind, key)
+
+
+def test_dcp_chunks_come_from_the_metadata(dcp_saves: dict[str, Path]) -> None:
+    index = lazyckpt.loaders.detect_loader(dcp_saves["2d"]).index(dcp_saves["2d"])
+    assert index.format == "dcp"
+    # FSDP2 over TP: 2 x 2 chunks for a dim-0 TP weight, TP-sharded on dim 1 for "down".
+    assert len(index.entries["up.weight"].chunks) == 4
+    assert {c.offsets for c in index.entries["down.weight"].chunks} == {(0, 0), (0, 4), (3, 0), (3, 4)}
+
+
+def test_dcp_reads_only_needed_chunks_and_bytes(dcp_saves: dict[str, Path]) -> None:
+    folder = dcp_saves["fsdp2"]
+    loader = lazyckpt.get_model_checkpoint_loader()
+    # FSDP dp-3 rank 0 of an FSDP2 dp-3 save: the same boxes, so one .distcp file holds them all
+    # (replicated buffers are deduplicated by DCP into rank 0's file).
+    stats = lazyckpt.LoadStats()
+    stream = loader.lazy_load(folder, {}, lazyckpt.ModelCheckpointLoadOptions(
+        layout=lazyckpt.Layout(dp_size=3, dp_rank=0), stats=stats))
+    with opened_files() as seen:
+        got = {k: v.clone() for k, v in stream}
+    assert {Path(p).name for p in seen} == {"__0_0.distcp"}
+    assert stats.read_amplification == 1.0
+    truth = odd_model_truth()
+    assert same_bits(got["embed.weight"], truth["embed.weight"][:18])
+
+
+def test_dcp_metadata_globals_are_allow_listed(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "ok"))
+    meta = (tmp_path / "ok" / ".metadata").read_bytes()
+    assert b"torch.distributed.checkpoint.metadata" in meta
+    assert torch.equal(load_all(tmp_path / "ok")["w"], torch.ones(3))

@@ -1,0 +1,134 @@
+"""``load_into`` for plain, meta-device and DTensor models (FSDP2, TP, FSDP2 + TP), built with
+torch's own APIs in real gloo process groups and filled from sources of other layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_workers import OddModel, check_load_into, odd_model_truth, save_odd_dcp, spawn
+from helpers import same_bits
+from safetensors.torch import save_file
+from torch import nn
+
+import lazyckpt
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    truth = odd_model_truth()
+    torch.save(truth, root / "full.pt")
+    save_file({k: v.contiguous() for k, v in truth.items()}, root / "full.safetensors")
+    spawn(save_odd_dcp, 2, "fsdp2", str(root / "dcp-fsdp2"))
+    spawn(save_odd_dcp, 4, "2d", str(root / "dcp-2d"))
+    return {
+        "pt": root / "full.pt",
+        "safetensors": root / "full.safetensors",
+        "dcp-fsdp2": root / "dcp-fsdp2",
+        "dcp-2d": root / "dcp-2d",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "source", "meta"),
+    [
+        ("fsdp2", 2, "pt", False),
+        ("fsdp2", 3, "dcp-2d", True),
+        ("tp", 2, "dcp-fsdp2", False),
+        ("tp", 3, "safetensors", False),
+        ("2d", 4, "pt", False),
+        ("2d", 4, "dcp-fsdp2", True),
+    ],
+)
+def test_dtensor_models_match_the_truth(sources: dict[str, Path], kind: str, world: int,
+                                        source: str, meta: bool) -> None:
+    spawn(check_load_into, world, kind, str(sources[source]), meta)
+
+
+def test_plain_model_is_filled_in_place(sources: dict[str, Path]) -> None:
+    truth = odd_model_truth()
+    model = OddModel().to(torch.float64)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    report = lazyckpt.load_into(model, sources["pt"])
+    assert report.loaded == list(truth) and not report.missing and not report.unexpected
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == before[name]  # same storage: no new full-size buffer
+        assert same_bits(p.detach(), truth[name].to(torch.float64))
+    assert model.steps.dtype == torch.int64 and int(model.steps) == 3
+
+
+def test_meta_model_materializes_on_the_target_device(sources: dict[str, Path]) -> None:
+    truth = odd_model_truth()
+    with torch.device("meta"):
+        model = OddModel()
+    lazyckpt.load_into(model, sources["dcp-2d"])
+    for name, t in model.state_dict().items():
+        assert t.device.type == "cpu" and same_bits(t, truth[name]), name
+    assert isinstance(model.up.weight, nn.Parameter) and model.up.weight.requires_grad
+
+
+def test_strict_reports_missing_and_unexpected_before_reading(tmp_path: Path) -> None:
+    truth = odd_model_truth()
+    partial = {k: v for k, v in truth.items() if k != "down.bias"}
+    partial["extra.weight"] = torch.ones(2)
+    torch.save(partial, tmp_path / "partial.pt")
+    model = OddModel()
+    original = model.up.weight.detach().clone()
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"missing \['down.bias'\].*unexpected \['extra.weight'\]"):
+        lazyckpt.load_into(model, tmp_path / "partial.pt")
+    assert torch.equal(model.up.weight, original)  # nothing was written
+    stats = lazyckpt.LoadStats()
+    report = lazyckpt.load_into(model, tmp_path / "partial.pt", strict=False,
+                                options=lazyckpt.ModelCheckpointLoadOptions(stats=stats))
+    assert report.missing == ["down.bias"] and report.unexpected == ["extra.weight"]
+    assert torch.equal(model.up.weight, truth["up.weight"])
+    # The unexpected tensor was never read.
+    assert stats.total_bytes_read == sum(v.nbytes for k, v in partial.items() if k != "extra.weight")
+
+
+def test_shape_mismatch_always_raises(tmp_path: Path) -> None:
+    truth = odd_model_truth()
+    truth["up.weight"] = torch.zeros(8, 6)
+    torch.save(truth, tmp_path / "bad.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"up.weight: checkpoint \(8, 6\), model \(7, 6\)"):
+        lazyckpt.load_into(OddModel(), tmp_path / "bad.pt", strict=False)
+
+
+def test_tied_weights_and_key_map(tmp_path: Path) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    w = torch.randn(10, 4)
+    save_file({"model.embed.weight": w}, tmp_path / "tied.safetensors")
+    for meta in (False, True):
+        if meta:
+            with torch.device("meta"):
+                model = Tied()
+        else:
+            model = Tied()
+        report = lazyckpt.load_into(
+            model, tmp_path / "tied.safetensors",
+            options=lazyckpt.ModelCheckpointLoadOptions(key_map=lambda k: k.removeprefix("model.")),
+        )
+        assert report.loaded == ["embed.weight"] and report.tied == ["head.weight"]
+        assert model.head.weight is model.embed.weight and torch.equal(model.head.weight, w)
+
+
+def test_shard_dims_that_cannot_be_inferred_are_refused(tmp_path: Path) -> None:
+    for r in range(2):
+        torch.save({"w": torch.zeros(3, 4)}, tmp_path / f"consolidated.{r:02d}.pth")
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(5, 4))
+
+    with pytest.raises(ValueError, match="cannot infer the shard dim of 'w'"):
+        lazyckpt.load_into(M(), tmp_path)
