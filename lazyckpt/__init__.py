@@ -10,9 +10,9 @@ from lazyckpt.errors import (
     UnknownCheckpointFormatError,
 )
 from lazyckpt.layout import Layout
-from lazyckpt.model_load import KeyMismatchError, LoadReport, load_into
 from lazyckpt.loader import ModelCheckpointLoader
 from lazyckpt.loaders import get_model_checkpoint_loader
+from lazyckpt.model_load import KeyMismatchError, LoadReport, load_into
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.presets import PRESETS, get_preset, preset_shard_dims
 from lazyckpt.reshard import reshard_tensor

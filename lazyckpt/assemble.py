@@ -86,9 +86,9 @@ def assemble_grid(
                     f"shard shapes disagree off the shard dim {dim}: {shape0} in {grid[0][0].where}, "
                     f"{row_shape} in {row[0].where}"
                 )
-        for c in row_chunks:
-            offsets = tuple(o + offset if d == dim else o for d, o in enumerate(c.offsets))
-            chunks.append(Chunk(offsets, c.sizes, c.data))
+        for chunk in row_chunks:
+            offsets = tuple(o + offset if d == dim else o for d, o in enumerate(chunk.offsets))
+            chunks.append(Chunk(offsets, chunk.sizes, chunk.data))
         offset += row_shape[dim]
     shape = tuple(offset if d == dim else s for d, s in enumerate(shape0))
     return first.dtype, shape, (tuple(chunks),)

@@ -42,7 +42,9 @@ def build_tensor(
     return dst, False
 
 
-def fill(plan: TensorPlan, reader: Reader, dst: torch.Tensor, *, pool: PinnedPool | None = None) -> None:
+def fill(
+    plan: TensorPlan, reader: Reader, dst: torch.Tensor, *, pool: PinnedPool | None = None
+) -> None:
     """Write the target box of ``plan`` into ``dst`` (its shape; any dtype, strides, device).
 
     This is how ``load_into`` fills a parameter in place: no second buffer on the CPU, and a
@@ -51,7 +53,9 @@ def fill(plan: TensorPlan, reader: Reader, dst: torch.Tensor, *, pool: PinnedPoo
     what = _what(plan)
     src_dtype = plan.entry.dtype
     if tuple(dst.shape) != plan.box.sizes:
-        raise ValueError(f"{what}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}")
+        raise ValueError(
+            f"{what}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}"
+        )
     if plan.verify:
         # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype.
         first = torch.empty(plan.box.sizes, dtype=src_dtype)

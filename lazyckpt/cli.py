@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import re
 import signal
 import sys
@@ -24,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn
 
 import torch
 from tqdm.auto import tqdm
@@ -78,7 +77,9 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
@@ -179,8 +180,11 @@ def detect_preset(loader: IndexedCheckpointLoader, path: Path) -> str | None:
     for name, preset in PRESETS.items():
         dims = PresetShardDims(preset)
         try:
-            index = loader.index(path, dims)
-        except (ModelCheckpointError, ValueError):
+            # Bad keys are dropped, so one damaged tensor does not hide the layout.
+            index, _ = index_collecting(loader, path, dims, Problems())
+        except ValueError:
+            continue
+        if index is None:
             continue
         emb, out = index.entries.get("tok_embeddings.weight"), index.entries.get("output.weight")
         if emb is not None and out is not None and emb.shape == out.shape and len(index.files) > 1:
@@ -268,7 +272,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"path:        {index.path}")
     print(f"format:      {index.format}")
-    print(f"layout:      {index.source_layout} ({len(files)} file(s), {chunks} chunk(s))")
+    on_disk = sum(max(n, 0) for _, n in files)
+    print(f"layout:      {index.source_layout}")
+    print(f"files:       {len(files)}, {human(on_disk)} on disk; {chunks} chunk(s)")
     print(f"shard dims:  {choice.source} ({len(dims)} of {len(index)} keys split)")
     for note in index.notes:
         print(f"note:        {note}")
@@ -276,11 +282,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = [["key", "dtype", "shape", "chunks", "copies", "bytes"]]
     for e in index:
         rows.append(
-            [e.key, _dtype(e.dtype), _shape(e.shape), str(len(e.chunks)), str(len(e.copies)), human(e.nbytes)]
+            [
+                e.key,
+                _dtype(e.dtype),
+                _shape(e.shape),
+                str(len(e.chunks)),
+                str(len(e.copies)),
+                human(e.nbytes),
+            ]
         )
-    rows.append(
-        [f"total: {len(index)} keys", "", "", str(chunks), "", human(index.nbytes)]
-    )
+    rows.append([f"total: {len(index)} keys", "", "", str(chunks), "", human(index.nbytes)])
     print(_table(rows, right=(3, 4, 5)))
     return EXIT_OK
 
@@ -375,8 +386,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     index, plans = loader.plan(path, choice.dims, options)
     _warn_no_dims(choice, index, layout.tp_size)
     s = summarize_plans(plans, dtype=dtype, prefetch_bytes=options.prefetch_bytes)
-    unread = [f for f in index.files if f not in s.read]
-    total_read = sum(s.read.values())
+    # Replica copies are read to be compared, so they count as read (as LoadStats counts them).
+    per_file = dict(s.read)
+    for f, n in s.verified.items():
+        per_file[f] = per_file.get(f, 0) + n
+    unread = [f for f in index.files if f not in per_file]
+    total_read = sum(per_file.values())
     if args.json:
         doc = {
             "path": str(index.path),
@@ -389,7 +404,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "dp_rank": layout.dp_rank,
             },
             "shard_dims": {"source": choice.source, "dims": choice.concrete(list(index.entries))},
-            "files": [{"path": str(f), "bytes": n} for f, n in s.read.items()],
+            "files": [{"path": str(f), "bytes": n} for f, n in per_file.items()],
             "files_not_read": [str(f) for f in unread],
             "bytes_read": total_read,
             "bytes_verified": sum(s.verified.values()),
@@ -414,13 +429,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"plan for {layout} of {index.path} ({index.format}, {index.source_layout})")
     n_split = len(choice.concrete(list(index.entries)))
     print(f"shard dims: {choice.source} ({n_split} of {len(index)} keys split)")
-    print(f"reads {len(s.read)} of {len(index.files)} file(s):")
-    rows = [[f"  {f.name if f.parent == _root(index) else f}", human(n)] for f, n in s.read.items()]
+    print(f"reads {len(per_file)} of {len(index.files)} file(s):")
+    root = _root(index)
+    rows = [
+        [f"  {f.relative_to(root) if f.is_relative_to(root) else f}", human(n)]
+        for f, n in per_file.items()
+    ]
     if rows:
         print(_table(rows, right=(1,)))
     print(f"bytes read:     {human(total_read)} ({total_read} B) for {len(plans)} tensors")
     if s.verified:
-        print(f"replica checks: {human(sum(s.verified.values()))} more, compared and dropped")
+        print(
+            f"                of which {human(sum(s.verified.values()))} replica copies, "
+            "compared then dropped"
+        )
     print(
         f"peak memory:    ~{human(s.peak)} (largest tensor {human(s.largest)}, prefetch up to "
         f"{human(options.prefetch_bytes)}; zero-copy views of mapped files not counted)"
@@ -482,7 +504,7 @@ def index_collecting(
         options = ModelCheckpointLoadOptions(key_map=_drop(frozenset(dropped)))
         try:
             return loader.index(path, dims, options), dropped
-        except (ModelCheckpointError, ValueError) as exc:
+        except ModelCheckpointError as exc:
             problems.add(exc)
             key = key_named(str(exc))
             if key is None or key in dropped:
@@ -495,9 +517,7 @@ def _where(index: CheckpointIndex, entry: TensorEntry) -> Path:
     return next(iter(paths)) if len(paths) == 1 else index.path
 
 
-def check_entries(
-    index: CheckpointIndex, dims: Mapping[str, int], problems: Problems
-) -> set[str]:
+def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Problems) -> set[str]:
     """Coverage, overlap and bounds of every chunk of every key; returns the bad keys."""
     bad: set[str] = set()
     sizes: dict[Path, int] = {}
@@ -510,7 +530,7 @@ def check_entries(
     for entry in index:
         try:
             plan_entry(entry, dims, Layout(), _where(index, entry))
-        except (ModelCheckpointError, ValueError) as exc:
+        except ModelCheckpointError as exc:
             problems.add(exc)
             bad.add(entry.key)
             continue
@@ -572,7 +592,7 @@ def read_collecting(
                 done.append(key)
                 yielded += 1
             return len(done)
-        except (ModelCheckpointError, ValueError, OSError) as exc:
+        except (ModelCheckpointError, OSError) as exc:
             failed = order[yielded] if yielded < len(order) else key_named(str(exc))
             message = _one_line(exc)
             if isinstance(exc, OSError) and failed is not None:
@@ -583,9 +603,7 @@ def read_collecting(
             skipped.add(failed)
 
 
-def check_zip_crcs(
-    index: CheckpointIndex, skip: set[str], problems: Problems, progress: bool
-) -> int:
+def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -> int:
     """Check the CRC-32 that ``torch.save`` stores for every record of every zip file, naming
     the keys whose bytes a bad record holds. Returns the bytes checked."""
     owners: dict[Path, list[tuple[int, int, str]]] = {}
@@ -597,15 +615,19 @@ def check_zip_crcs(
                     stop = region.byte_offset + entry.dtype.itemsize * span(
                         chunk.sizes, region.strides
                     )
-                    owners.setdefault(region.path, []).append(
-                        (region.byte_offset, stop, entry.key)
-                    )
+                    owners.setdefault(region.path, []).append((region.byte_offset, stop, entry.key))
     zips = [f for f in index.files if zipfile.is_zipfile(f)]
     total = sum(f.stat().st_size for f in zips)
     checked = 0
     with tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="checking CRC-32",
-        disable=not progress, leave=False, file=sys.stderr,
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="checking CRC-32",
+        disable=not progress,
+        leave=False,
+        file=sys.stderr,
     ) as bar:
         for f in zips:
             with open(f, "rb") as raw, zipfile.ZipFile(raw) as zf:
@@ -639,17 +661,24 @@ def _record_start(raw: Any, info: zipfile.ZipInfo) -> int:
     return int(info.header_offset) + 30 + name_len + extra_len
 
 
+_TORCH_ZIP_FORMATS = ("torch", "fairscale", "fairseq2")
+
+
 def _data_files(loader: IndexedCheckpointLoader, path: Path) -> list[Path]:
-    """Files of a one-chunk-per-key folder, to check one by one when the whole set fails."""
-    if loader.name not in ("safetensors", "torch"):
+    """The data files of a checkpoint, to check one by one (each as a checkpoint of its own)
+    when the whole set cannot be indexed."""
+    if loader.name not in ("safetensors", *_TORCH_ZIP_FORMATS):
+        return []
+    if path.is_file() and not path.name.endswith(".index.json"):
         return []
     folder = path if path.is_dir() else path.parent
     suffixes = (".safetensors",) if loader.name == "safetensors" else (".pt", ".pth", ".bin")
-    if path.is_file() and not path.name.endswith(".index.json"):
-        return []
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.name.endswith(suffixes) and not p.name.startswith(".")
-    )
+    found = []
+    for p in sorted(folder.rglob("*")):
+        hidden = any(part.startswith(".") for part in p.relative_to(folder).parts)
+        if p.is_file() and p.name.endswith(suffixes) and not hidden:
+            found.append(p)
+    return found
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -679,24 +708,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if findex is not None:
                 targets.append((floader, f, findex, fdropped))
     stats = LoadStats()
-    keys = files = read_ok = 0
-    crc_bytes = 0
+    keys = files = crc_bytes = 0
     for tloader, tpath, tindex, tdropped in targets:
         keys += len(tindex) + len(tdropped)
         files += len(tindex.files)
         bad = check_entries(tindex, dims, problems) | tdropped
         if args.read:
-            read_ok += read_collecting(tloader, tpath, dims, bad, problems, stats, progress)
-            crc_bytes += check_zip_crcs(tindex, bad, problems, progress)
-    return _verify_report(
-        args, path, index, problems, keys, files, stats.total_bytes_read + stats.bytes_verified + crc_bytes
-    )
+            read_collecting(tloader, tpath, dims, bad, problems, stats, progress)
+            if tindex.format in _TORCH_ZIP_FORMATS:
+                crc_bytes += check_zip_crcs(tindex, problems, progress)
+    # Replica copies read to be compared are in total_bytes_read already.
+    read = stats.total_bytes_read + crc_bytes
+    return _verify_report(args, path, loader.name, problems, keys, files, read)
 
 
 def _verify_report(
     args: argparse.Namespace,
     path: Path,
-    index: CheckpointIndex | None,
+    fmt: str | None,
     problems: Problems,
     keys: int,
     files: int,
@@ -706,7 +735,7 @@ def _verify_report(
     if args.json:
         doc = {
             "path": str(path),
-            "format": index.format if index is not None else None,
+            "format": fmt,
             "ok": ok,
             "problems": problems.items,
             "keys": keys,
@@ -721,7 +750,7 @@ def _verify_report(
             print(f"FAIL {p}")
         if ok:
             how = (
-                f"read all {human(bytes_read)}"
+                f"read every byte: {human(bytes_read)}"
                 if args.read
                 else "metadata only; pass --read to read every byte"
             )
@@ -835,10 +864,17 @@ def _rank(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lazyckpt import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lazyckpt",
         description="Inspect, check and reshard PyTorch checkpoints lazily, one tensor at a time.",
     )
@@ -897,7 +933,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(func=cmd_reshard)
 
-    p = sub.add_parser("demo", help="build a small Llama MP-8 checkpoint and stream it to TP-2 and FSDP-4")
+    p = sub.add_parser(
+        "demo", help="build a small Llama MP-8 checkpoint and stream it to TP-2 and FSDP-4"
+    )
     p.add_argument("--keep", metavar="DIR", help="build the checkpoint in DIR and keep it")
     _add_common(p)
     p.set_defaults(func=cmd_demo)
@@ -943,7 +981,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
-        print("lazyckpt: interrupted; nothing was left behind", file=sys.stderr)
+        print("lazyckpt: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ModelCheckpointError as exc:
         return fail(EXIT_CHECKPOINT, exc)
@@ -954,17 +992,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         return fail(EXIT_CHECKPOINT, exc)
     except Exception as exc:
-        return fail(EXIT_CHECKPOINT, exc, "unexpected " + type(exc).__name__ + ": ") if debug else fail(
-            EXIT_CHECKPOINT, exc, f"unexpected {type(exc).__name__} (rerun with --debug): "
-        )
-
-
-def console_main() -> None:  # pragma: no cover - exercised through python -m lazyckpt
-    sys.exit(main())
-
-
-def _stdout() -> TextIO:
-    return sys.stdout
+        hint = "" if debug else " (rerun with --debug for the traceback)"
+        return fail(EXIT_CHECKPOINT, exc, f"unexpected {type(exc).__name__}{hint}: ")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -188,4 +188,3 @@ def _stream(
             del out
         if pool is not None:
             pool.synchronize()
-

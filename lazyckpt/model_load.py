@@ -235,8 +235,13 @@ def load_into(
     stats = report.stats
     stats.start()
     bar = tqdm(
-        total=sum(p.nbytes for p in plans), unit="B", unit_scale=True, unit_divisor=1024,
-        desc="load_into", disable=not options.progress, leave=False,
+        total=sum(p.nbytes for p in plans),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="load_into",
+        disable=not options.progress,
+        leave=False,
     )
     with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
         for plan in plans:
@@ -250,7 +255,9 @@ def load_into(
     return report
 
 
-def _account_keys(report: LoadReport, targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> None:
+def _account_keys(
+    report: LoadReport, targets: Mapping[str, _Target], loaded: Mapping[str, Any]
+) -> None:
     """Split the model keys the checkpoint lacks into missing and filled-through-a-tie."""
     loaded_ids = {id(targets[k].tensor) for k in loaded}
     for key, target in targets.items():
@@ -261,7 +268,7 @@ def _account_keys(report: LoadReport, targets: Mapping[str, _Target], loaded: Ma
 
 def _destination(key: str, target: _Target, device: torch.device) -> torch.Tensor:
     """The tensor to write ``key``'s box into: the target's own storage, or a new one for meta."""
-    t = target.tensor
+    t: Any = target.tensor
     if target.is_dtensor:
         local = t.to_local()
         if local.is_meta:
@@ -275,7 +282,9 @@ def _destination(key: str, target: _Target, device: torch.device) -> torch.Tenso
     return t.detach()
 
 
-def _install_materialized(targets: Mapping[str, _Target], dests: Mapping[str, torch.Tensor]) -> None:
+def _install_materialized(
+    targets: Mapping[str, _Target], dests: Mapping[str, torch.Tensor]
+) -> None:
     """Put tensors built for meta targets into their modules, keeping ties tied."""
     replaced: dict[int, torch.Tensor] = {}
     for key, target in targets.items():

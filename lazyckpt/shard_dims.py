@@ -36,7 +36,10 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
         prefix = f"{module_name}." if module_name else ""
         if getattr(module, "weight", None) is not None:
             dims[prefix + "weight"] = dim
-        if type(module).__name__ == "ColumnParallelLinear" and getattr(module, "bias", None) is not None:
+        if (
+            type(module).__name__ == "ColumnParallelLinear"
+            and getattr(module, "bias", None) is not None
+        ):
             dims[prefix + "bias"] = 0
     for name, param in model.named_parameters():
         tp_dim = _dtensor_tp_dim(name, param, fsdp)

@@ -360,7 +360,7 @@ def read_torch_archive(
         head = os.pread(fd, 4, start)
         _check_magic(path, head, window)
         try:
-            zf = zipfile.ZipFile(io.BufferedReader(_Window(fd, start, length)))  # type: ignore[arg-type]
+            zf = zipfile.ZipFile(io.BufferedReader(_Window(fd, start, length)))
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
             raise CorruptModelCheckpointError(
                 path, f"not a readable torch zip archive ({exc}); the file is truncated or damaged"

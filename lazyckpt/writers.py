@@ -219,7 +219,7 @@ class SafetensorsWriter:
         _check_tensor(self.path, spec, key, tensor)
         data = _dense_bytes(tensor)
         if data.numel():
-            _pwrite_all(self._fd, memoryview(data.numpy()), self.data_start + self.offsets[key])
+            _pwrite_all(self._fd, data.numpy().data, self.data_start + self.offsets[key])
         self._pending.discard(key)
 
     @property
@@ -397,12 +397,12 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     removed and ``dst`` is left as it was.
     """
     dst = Path(os.path.abspath(dst))
-    if dst.exists() or dst.is_symlink():
-        if not force and not (dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())):
-            what = "a folder that is not empty" if dst.is_dir() else "a file"
-            raise DestinationError(
-                f"{dst} is {what}; choose a new destination or pass --force to replace it"
-            )
+    empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
+    if (dst.exists() or dst.is_symlink()) and not force and not empty_dir:
+        what = "a folder that is not empty" if dst.is_dir() else "a file"
+        raise DestinationError(
+            f"{dst} is {what}; choose a new destination or pass --force to replace it"
+        )
     created: list[Path] = []
     parent = dst.parent
     while not parent.exists():
@@ -413,6 +413,7 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     tmp: Path | None = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-tmp", dir=dst.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is a plain folder
         yield tmp
         _fsync_dir(tmp)
         _publish(tmp, dst)
@@ -427,6 +428,12 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
                     break
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _publish(tmp: Path, dst: Path) -> None:
     """Rename ``tmp`` to ``dst``, replacing whatever is there, then fsync the parent."""
     old: Path | None = None
@@ -434,7 +441,9 @@ def _publish(tmp: Path, dst: Path) -> None:
         if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
             dst.rmdir()
         else:
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent))
+            old = Path(
+                tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent)
+            )
             os.rename(dst, old / "old")
     try:
         os.rename(tmp, dst)
@@ -544,7 +553,9 @@ def plan_outputs(
             layout = Layout(tp_size=tp, tp_rank=r, dp_size=dp, dp_rank=d)
             parts = ([f"tp{r:02d}"] if tp > 1 else []) + ([f"dp{d:02d}"] if dp > 1 else [])
             name = f"model-{'-'.join(parts)}.safetensors"
-            outputs.append(OutputFile(name, layout, _specs(plans_for(layout), dtype), "safetensors"))
+            outputs.append(
+                OutputFile(name, layout, _specs(plans_for(layout), dtype), "safetensors")
+            )
     return outputs
 
 
@@ -581,7 +592,7 @@ def reshard(
     Layout(tp_size=tp, dp_size=dp)  # rejects sizes < 1 with a ValueError naming the field
     base = options or ModelCheckpointLoadOptions()
     stats = base.stats if base.stats is not None else LoadStats()
-    base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
+    base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None, mmap=False, prefetch_bytes=0)
     index = loader.index(src_path, shard_dims, base)
     cache: dict[Layout, list[TensorPlan]] = {}
 
@@ -628,7 +639,10 @@ def reshard(
         if fmt == "safetensors" and tp == 1 and dp == 1:
             weight_map = {s.key: o.name for o in outputs for s in o.specs}
             doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_small(tmp / "model.safetensors.index.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            _write_small(
+                tmp / "model.safetensors.index.json",
+                json.dumps(doc, indent=2, sort_keys=True) + "\n",
+            )
         for name in sidecars:
             _write_small(tmp / name, (src_root / name).read_bytes())
     return ReshardResult(

@@ -216,13 +216,13 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         sizes: tuple[int, ...],
         restrict: bool,
     ) -> LazyRegion:
-        rel, offset, length = (
-            getattr(info, a, None) for a in ("relative_path", "offset", "length")
-        )
-        if not isinstance(rel, str) or _ints((offset, length)) is None or offset < 0 or length < 0:
+        rel = getattr(info, "relative_path", None)
+        span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
+        if not isinstance(rel, str) or span is None or min(span) < 0:
             raise CorruptModelCheckpointError(
                 meta_path, f"key {fqn!r} has a malformed storage entry"
             )
+        offset, length = span
         if getattr(info, "transform_descriptors", None):
             raise CorruptModelCheckpointError(
                 meta_path,

@@ -82,7 +82,8 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     for key, stored in self._read(f, options.restrict)[1].items():
                         old = local.get(key)
                         local[key] = (
-                            stored.sizes if old is None or not old
+                            stored.sizes
+                            if old is None or not old
                             else (old[0] + stored.sizes[0], *old[1:])
                         )
                 for key, shape in local.items():
