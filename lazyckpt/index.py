@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 import torch
 
@@ -64,7 +63,7 @@ class LazyRegion:
         return self._found
 
 
-ChunkData = Union[FileRegion, LazyRegion, torch.Tensor]
+ChunkData = FileRegion | LazyRegion | torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -153,11 +153,8 @@ def plan_load(
             plans.append(TensorPlan(entry, dim, box, 0, pieces[0]))
             continue
         inside = [i for i, p in enumerate(pieces) if _files(entry.copies[i], p) <= used]
-        if inside:
-            chosen = inside[0]
-        else:
-            # Nothing else is read (a checkpoint of replicas only): spread ranks over the copies.
-            chosen = layout.tp_rank * len(entry.copies) // layout.tp_size
+        # When no file is read anyway (a checkpoint of replicas only), spread ranks over copies.
+        chosen = inside[0] if inside else layout.tp_rank * len(entry.copies) // layout.tp_size
         verify: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
         if verify_replicas and entry.nbytes <= verify_max_bytes:
             verify = tuple((i, pieces[i]) for i in inside if i != chosen)

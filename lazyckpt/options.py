@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +18,7 @@ __all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map"]
 
 MiB = 1 << 20
 
-KeyMap = Union[Mapping[str, str | None], Callable[[str], str | None]]
+KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 """Renames checkpoint keys: a mapping (keys not in it stay as they are) or a function; a
 ``None`` result drops the key."""
 
