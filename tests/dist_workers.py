@@ -338,3 +338,29 @@ def check_load_into(rank: int, world: int, kind: str, src: str, meta: bool) -> N
     for name, t in lazyckpt.get_model_checkpoint_loader().lazy_load(src, dims, opts):
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         assert torch.equal(full, truth[name]), ("lazy_load mesh", kind, name)
+
+
+def check_layout_helpers(rank: int, world: int) -> None:
+    """``Layout.from_mesh`` and ``Layout.from_groups`` on a real (dp=2, tp=2) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import lazyckpt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    want = lazyckpt.Layout(tp_size=2, tp_rank=rank % 2, dp_size=2, dp_rank=rank // 2)
+    assert lazyckpt.Layout.from_mesh(mesh) == want
+    assert lazyckpt.Layout.from_mesh(mesh, tp_dim=1, dp_dim=0) == want
+    assert lazyckpt.Layout.from_groups(
+        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp")
+    ) == want
+    assert lazyckpt.Layout.from_groups(tp_group=mesh.get_group("tp")) == lazyckpt.Layout(
+        tp_size=2, tp_rank=rank % 2
+    )
+    flat = init_device_mesh("cpu", (world,))
+    try:
+        lazyckpt.Layout.from_mesh(flat)
+    except ValueError as exc:
+        assert "pass tp_dim" in str(exc)
+    else:
+        raise AssertionError("an unnamed 1-D mesh must be refused")
+    assert lazyckpt.Layout.from_mesh(flat, dp_dim=0) == lazyckpt.Layout(dp_size=world, dp_rank=rank)

@@ -55,13 +55,13 @@ def detect_loader(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
     :class:`UnknownCheckpointFormatError` (a ``CorruptModelCheckpointError``)."""
     p = check_path(path)
     if p.is_file():
-        for loader in (DCP, SAFETENSORS, TORCH):
-            if loader.supports_path(p):
-                return loader
-        if p.name.endswith(".distcp"):
+        if p.name.endswith(".distcp"):  # starts with a torch zip, but is only one chunk's file
             raise UnknownCheckpointFormatError(
                 p, "is one data file of a torch.distributed.checkpoint save: pass its folder"
             )
+        for loader in (DCP, SAFETENSORS, TORCH):
+            if loader.supports_path(p):
+                return loader
         raise UnknownCheckpointFormatError(
             p,
             "is not a checkpoint lazyckpt knows: expected .safetensors, a torch zip "

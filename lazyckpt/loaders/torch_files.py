@@ -51,6 +51,8 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
     def supports_path(self, path: str | os.PathLike[str]) -> bool:
         p = Path(path)
         if p.is_file():
+            if p.name.endswith(".distcp"):
+                return False
             return p.name.endswith(SUFFIXES + INDEX_SUFFIXES) or _has_zip_magic(p)
         if p.is_dir():
             return any(

@@ -1,0 +1,93 @@
+"""Format detection: marker files decide, mixed folders are refused with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_workers import check_layout_helpers, spawn
+from safetensors.torch import save_file
+
+import lazyckpt
+from lazyckpt.loaders import detect_loader
+
+
+def _st(path: Path) -> None:
+    save_file({"w": torch.ones(2)}, path)
+
+
+def test_each_format_is_detected(tmp_path: Path) -> None:
+    _st(tmp_path / "a.safetensors")
+    assert detect_loader(tmp_path / "a.safetensors").name == "safetensors"
+    torch.save({"w": torch.ones(2)}, tmp_path / "weights.ckpt")  # zip magic, unusual suffix
+    assert detect_loader(tmp_path / "weights.ckpt").name == "torch"
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    for r in range(2):
+        torch.save({"w": torch.ones(2)}, mp / f"consolidated.{r:02d}.pth")
+    (mp / "params.json").write_text("{}")
+    assert detect_loader(mp).name == "fairscale"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    assert detect_loader(tmp_path / "dcp").name == "dcp"
+    assert detect_loader(tmp_path / "dcp" / ".metadata").name == "dcp"
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="pass its folder"):
+        detect_loader(next((tmp_path / "dcp").glob("*.distcp")))
+
+
+def test_hub_folder_with_both_formats_prefers_safetensors(tmp_path: Path) -> None:
+    _st(tmp_path / "model.safetensors")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    assert detect_loader(tmp_path).name == "safetensors"
+
+
+def test_index_wins_over_loose_files_and_says_so(tmp_path: Path) -> None:
+    _st(tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"w": "model-00001-of-00001.safetensors"}}'
+    )
+    torch.save({"w": torch.zeros(2)}, tmp_path / "consolidated.00.pth")
+    _st(tmp_path / "stray.safetensors")
+    loader = detect_loader(tmp_path)
+    assert loader.name == "safetensors"
+    index = loader.index(tmp_path)
+    assert any("stray.safetensors" in n for n in index.notes)
+    assert index.files == [tmp_path / "model-00001-of-00001.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (["a.safetensors", "b.pt"], "both safetensors"),
+        (["consolidated.00.pth", "extra.safetensors"], "fairscale checkpoint and also"),
+    ],
+)
+def test_mixed_folders_are_refused(tmp_path: Path, files: list[str], message: str) -> None:
+    for name in files:
+        if name.endswith(".safetensors"):
+            _st(tmp_path / name)
+        else:
+            torch.save({"w": torch.ones(2)}, tmp_path / name)
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match=message):
+        detect_loader(tmp_path)
+
+
+def test_dcp_beside_a_fairscale_set_is_refused(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path))
+    torch.save({"w": torch.ones(2)}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="keep one per folder"):
+        detect_loader(tmp_path)
+
+
+def test_supports_path(tmp_path: Path) -> None:
+    loader = lazyckpt.get_model_checkpoint_loader()
+    _st(tmp_path / "a.safetensors")
+    assert loader.supports_path(tmp_path / "a.safetensors")
+    assert not loader.supports_path(tmp_path / "missing.safetensors")
+    (tmp_path / "x.txt").write_text("")
+    assert not loader.supports_path(tmp_path / "x.txt")
+
+
+def test_layout_helpers_on_a_real_mesh() -> None:
+    spawn(check_layout_helpers, 4)
