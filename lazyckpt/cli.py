@@ -745,7 +745,7 @@ def _verify_report(
         }
         print(json.dumps(doc, indent=2))
     else:
-        what = f"{keys} keys in {files} file(s)"
+        what = f"{keys} tensors in {files} file(s) checked"
         for p in problems.items:
             print(f"FAIL {p}")
         if ok:
@@ -771,6 +771,12 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     loader = detect_loader(src)
     choice = resolve_shard_dims(args.shard_dims, loader, src)
     index = loader.index(src, choice.dims)
+    if args.format == "consolidated" and args.tp > 1 and not choice.concrete(list(index.entries)):
+        raise UsageError(
+            f"--format consolidated --tp {args.tp} needs --shard-dims: without it no key is split "
+            "and every rank file would hold whole tensors; pass "
+            f"{'|'.join(sorted(PRESETS))}|FILE.json"
+        )
     _warn_no_dims(choice, index, args.tp)
     result = reshard(
         src,

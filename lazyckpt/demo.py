@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lazyckpt.cli import human, summarize_plans
 from lazyckpt.layout import Layout
 from lazyckpt.loaders import detect_loader, get_model_checkpoint_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -147,14 +148,6 @@ def peak_rss_growth() -> Iterator[list[int | None]]:
         result[0] = max(0, after - before)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def run_demo(*, keep: Path | None = None, as_json: bool = False, progress: bool = False) -> int:
     """Build, stream, check, report; 0 when every tensor matched, 1 otherwise."""
     if keep is not None and keep.exists() and any(keep.iterdir()):
@@ -165,8 +158,6 @@ def run_demo(*, keep: Path | None = None, as_json: bool = False, progress: bool 
 
 
 def _run(folder: Path, *, as_json: bool, progress: bool) -> int:
-    from lazyckpt.cli import summarize_plans
-
     out = sys.stdout
     full, dims = build_llama_mp(folder)
     files = sorted(folder.glob("consolidated.*.pth"))

@@ -4,8 +4,8 @@ Every output file's layout is known before any tensor byte is read: the plan giv
 target shape and the options its dtype. So a safetensors header is written first and each
 tensor lands at its offset as the stream delivers it, and a ``torch.save`` file is written with
 torch's own zip writer, pickle first and then one storage record per tensor, exactly as
-``torch.save`` lays it out. Memory stays at about one tensor (plus the loader's prefetch
-budget), never a rank's shard.
+``torch.save`` lays it out. Tensors are read with ``pread`` and no read-ahead, so memory
+stays at about one tensor, never a rank's shard.
 
 Output goes to a temporary folder beside the destination; files and folder are fsync'd and the
 folder renamed into place only when complete. On any error, or Ctrl-C, the temporary folder is
@@ -585,14 +585,17 @@ def reshard(
     loader = loader or detect_loader(src_path)
     src_abs = Path(os.path.abspath(src_path))
     src_root = src_abs if src_path.is_dir() else src_abs.parent
-    if _is_within(src_abs, dst_path) or (src_path.is_dir() and _is_within(dst_path, src_abs)):
+    src_real, dst_real = src_abs.resolve(), dst_path.resolve()
+    if _is_within(src_real, dst_real) or (src_path.is_dir() and _is_within(dst_real, src_real)):
         raise DestinationError(
             f"{dst_path} overlaps the source {src_abs}; write the new checkpoint elsewhere"
         )
     Layout(tp_size=tp, dp_size=dp)  # rejects sizes < 1 with a ValueError naming the field
-    base = options or ModelCheckpointLoadOptions()
+    # By default: pread (pages of a mapping would stay resident as the files are walked) and no
+    # read-ahead, so that exactly one tensor is alive while it is written.
+    base = options or ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
     stats = base.stats if base.stats is not None else LoadStats()
-    base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None, mmap=False, prefetch_bytes=0)
+    base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
     index = loader.index(src_path, shard_dims, base)
     cache: dict[Layout, list[TensorPlan]] = {}
 
