@@ -26,6 +26,8 @@ from lazyckpt.plan import (
 
 __all__ = ["TensorPlan", "check_shard_dims", "plan_entry", "plan_load"]
 
+_MAX_DIM = (1 << 63) - 1
+
 
 @dataclass(frozen=True)
 class TensorPlan:
@@ -94,6 +96,10 @@ def plan_entry(
     """Shard dim, target box and the pieces of every copy of ``entry``; checks the tilings.
 
     ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box)."""
+    if any(s > _MAX_DIM for s in entry.shape):
+        raise CorruptModelCheckpointError(
+            where, f"key {entry.display_key}: shape {entry.shape} has a dim past 2**63"
+        )
     dim = shard_dims.get(entry.key)
     if dim is not None:
         try:
@@ -153,10 +159,16 @@ def plan_load(
             plans.append(TensorPlan(entry, dim, box, 0, pieces[0]))
             continue
         inside = [i for i, p in enumerate(pieces) if _files(entry.copies[i], p) <= used]
-        # When no file is read anyway (a checkpoint of replicas only), spread ranks over copies.
-        chosen = inside[0] if inside else layout.tp_rank * len(entry.copies) // layout.tp_size
+        if inside:
+            chosen, compare = inside[0], inside
+        else:
+            # No file is read anyway: every key looks replicated, which for a model-parallel set
+            # usually means shard_dims were left out. Spread ranks over the copies, and compare
+            # all of them, so a split key is not taken for a replica.
+            chosen = layout.tp_rank * len(entry.copies) // layout.tp_size
+            compare = list(range(len(entry.copies)))
         verify: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
         if verify_replicas and entry.nbytes <= verify_max_bytes:
-            verify = tuple((i, pieces[i]) for i in inside if i != chosen)
+            verify = tuple((i, pieces[i]) for i in compare if i != chosen)
         plans.append(TensorPlan(entry, dim, box, chosen, pieces[chosen], verify))
     return plans

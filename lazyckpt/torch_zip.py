@@ -20,8 +20,9 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,36 @@ class StoredTensor:
         return self.storage.dtype
 
 
-@dataclass(frozen=True)
 class Unsupported:
-    """A value we refuse to load (sparse, quantized, subclass tensors ...); the error comes
-    when the key holding it is flattened, so it can name the key."""
+    """A value we refuse to load (sparse, quantized, subclass tensors, objects of globals off
+    the allow-list); the error comes when the key holding it is flattened, so it can name the
+    key. It absorbs ``BUILD`` state so unpickling can go on to find that key."""
 
-    what: str
+    def __init__(self, what: str, hint: str = "convert it to a dense tensor before saving") -> None:
+        self.what = what
+        self.hint = hint
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"Unsupported({self.what!r})"
+
+
+class _Forbidden:
+    """Stands for a global off the allow-list: nothing is imported, calling it runs nothing."""
+
+    def __init__(self, module: str, name: str, seen: list[str]) -> None:
+        self.qualname = f"{module}.{name}"
+        self.__name__ = name
+        seen.append(self.qualname)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Unsupported:
+        return Unsupported(
+            f"an object of the global '{self.qualname}'",
+            "that global is off the allow-list and unpickling it could run code from the file; "
+            "if you trust the file, load with restrict=False",
+        )
 
 
 # -- the allow-list unpickler --------------------------------------------------------------
@@ -91,11 +116,19 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "ComplexFloatStorage": torch.complex64,
     "UntypedStorage": torch.uint8,
 }
+_QUANTIZED_STORAGES = {
+    "QInt8Storage",
+    "QInt32Storage",
+    "QUInt8Storage",
+    "QUInt4x2Storage",
+    "QUInt2x4Storage",
+}
 
 
 @dataclass(frozen=True)
 class _StorageType:
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    """``None`` for quantized storages, which lazyckpt does not load."""
 
 
 class _TensorType:
@@ -145,7 +178,8 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     if new_type is not _TensorType:
-        return Unsupported(f"a tensor subclass ({getattr(new_type, '__name__', new_type)})")
+        name = getattr(new_type, "qualname", getattr(new_type, "__name__", new_type))
+        return Unsupported(f"a tensor subclass ({name})")
     if not callable(func) or not isinstance(args, tuple):
         raise _PickleError("malformed _rebuild_from_type_v2 call")
     return func(*args)
@@ -218,13 +252,19 @@ def restricted_find_class(module: str, name: str) -> Any:
         return _TensorType
     if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
         return _StorageType(_STORAGE_DTYPES[name])
+    if module == "torch" and name in _QUANTIZED_STORAGES:
+        return _StorageType(None)
+    if module == "torch.serialization" and name == "_get_layout":
+        from torch.serialization import _get_layout
+
+        return _get_layout  # maps a layout's name to the torch.layout
     if module == "torch":
         if name == "Size":
             return torch.Size
         if name == "device":
             return torch.device
         value = getattr(torch, name, None)
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)):
             return value
     return None
 
@@ -234,21 +274,21 @@ class _PickleError(Exception):
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, *, restrict: bool, what: str) -> None:
+    """With ``restrict``, a global off the allow-list becomes a :class:`_Forbidden` stand-in
+    (recorded in ``forbidden``), so the error can name the key that holds it; nothing from the
+    file is ever imported or called."""
+
+    def __init__(self, data: bytes, *, restrict: bool) -> None:
         super().__init__(io.BytesIO(data))
         self._restrict = restrict
-        self._what = what
+        self.forbidden: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
         found = restricted_find_class(module, name)
         if found is not None:
             return found
         if self._restrict:
-            raise _PickleError(
-                f"{self._what} refers to the global '{module}.{name}', which is not on the "
-                "allow-list of tensors, containers and dtypes; unpickling it could run code from "
-                "the file. If you trust the file, load with restrict=False"
-            )
+            return _Forbidden(module, name, self.forbidden)
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -259,6 +299,8 @@ class _IndexUnpickler(pickle.Unpickler):
             raise _PickleError(f"storage type {storage_type!r} is not a torch storage class")
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise _PickleError(f"storage record {pid!r:.80} is malformed")
+        if storage_type.dtype is None:
+            return Unsupported("a quantized tensor")
         return _StorageRef(key, storage_type.dtype, numel)
 
 
@@ -301,6 +343,24 @@ class TorchArchive:
     obj: Any
     storage_offsets: dict[str, tuple[int, int]]
     """Storage key -> (absolute byte offset in ``path``, record length)."""
+    forbidden: list[str] = field(default_factory=list)
+    """Globals off the allow-list that the pickle refers to (never imported)."""
+
+    def forbidden_message(self) -> str:
+        names = ", ".join(f"'{n}'" for n in dict.fromkeys(self.forbidden))
+        return (
+            f"data.pkl refers to {names}, not on the allow-list of tensors, containers and "
+            "dtypes; unpickling it could run code from the file. If you trust the file, load "
+            "with restrict=False"
+        )
+
+    def state_dict(self) -> dict[str, StoredTensor]:
+        """The flat state dict (see :func:`flatten_state_dict`); a forbidden global anywhere in
+        the file is an error, named by key where it sits in the state dict."""
+        flat = flatten_state_dict(self.obj, self.path)
+        if self.forbidden:
+            raise CorruptModelCheckpointError(self.path, self.forbidden_message())
+        return flat
 
     def region(self, tensor: StoredTensor, what: str) -> FileRegion:
         """The file region of ``tensor``, after checking it lies inside its storage record."""
@@ -361,7 +421,15 @@ def read_torch_archive(
         _check_magic(path, head, window)
         try:
             zf = zipfile.ZipFile(io.BufferedReader(_Window(fd, start, length)))
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        except (
+            zipfile.BadZipFile,
+            OSError,
+            ValueError,
+            EOFError,
+            struct.error,
+            NotImplementedError,
+            OverflowError,
+        ) as exc:
             raise CorruptModelCheckpointError(
                 path, f"not a readable torch zip archive ({exc}); the file is truncated or damaged"
             ) from exc
@@ -397,14 +465,13 @@ def _read_archive(
             path, f"expected one data.pkl record in the zip, found {len(pickles)}"
         )
     prefix = pickles[0].filename[: -len("data.pkl")]
+    spans = {info.filename: _record_span(path, fd, start, length, info) for info in infos}
+    _check_record_order(path, infos, spans, start, zf.start_dir)
     records: dict[str, tuple[int, int]] = {}
     for info in infos:
-        name = info.filename
-        if not name.startswith(prefix):
-            continue
-        rest = name[len(prefix) :]
+        rest = info.filename[len(prefix) :] if info.filename.startswith(prefix) else ""
         if rest == "data.pkl" or rest == "byteorder" or rest.startswith("data/"):
-            records[rest] = _record_span(path, fd, start, length, info)
+            records[rest] = spans[info.filename]
     if "byteorder" in records:
         offset, size = records["byteorder"]
         order = os.pread(fd, size, offset)
@@ -418,10 +485,15 @@ def _read_archive(
     if pkl_size > _MAX_PICKLE_BYTES:
         raise CorruptModelCheckpointError(path, f"data.pkl is {pkl_size} bytes, too large")
     data = os.pread(fd, pkl_size, pkl_offset)
+    if zlib.crc32(data) != pickles[0].CRC:
+        raise CorruptModelCheckpointError(
+            path, "data.pkl fails its zip CRC check: the file is damaged; copy it again"
+        )
+    unpickler = _IndexUnpickler(data, restrict=restrict)
     try:
-        obj = _IndexUnpickler(data, restrict=restrict, what=f"{path.name}: data.pkl").load()
+        obj = unpickler.load()
     except _PickleError as exc:
-        raise CorruptModelCheckpointError(path, str(exc)) from None
+        raise CorruptModelCheckpointError(path, f"data.pkl: {exc}") from None
     except CorruptModelCheckpointError:
         raise
     except Exception as exc:  # any malformed pickle: a file error, never a crash
@@ -429,38 +501,79 @@ def _read_archive(
             path, f"data.pkl cannot be unpickled ({type(exc).__name__}: {exc})"
         ) from None
     storages = {k[len("data/") :]: v for k, v in records.items() if k.startswith("data/")}
-    return TorchArchive(path, obj, storages)
+    return TorchArchive(path, obj, storages, unpickler.forbidden)
 
 
 def _record_span(
     path: Path, fd: int, start: int, length: int, info: zipfile.ZipInfo
 ) -> tuple[int, int]:
-    """Absolute offset and length of a stored record's data, checked against the file."""
+    """Absolute offset and length of a stored record's data, checked against the file.
+
+    The local header is checked against the central directory (name, extra-field framing),
+    since a damaged length there would silently shift where the data is read from.
+    """
+    name = info.filename
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
         raise CorruptModelCheckpointError(
             path,
-            f"zip record {info.filename} is compressed; torch files store records "
-            "uncompressed, so the file was rewritten by another tool: save it again with torch.save",
+            f"zip record {name} is compressed; torch files store records uncompressed, so the "
+            "file was rewritten by another tool: save it again with torch.save",
+        )
+    if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
+        raise CorruptModelCheckpointError(
+            path,
+            f"zip record {name}: its header offset {info.header_offset} lies outside the "
+            f"{length}-byte archive; the zip directory is damaged",
         )
     header = os.pread(fd, _LOCAL_HEADER.size, start + info.header_offset)
-    if len(header) != _LOCAL_HEADER.size:
-        raise CorruptModelCheckpointError(
-            path, f"zip record {info.filename}: local header past the end of the file (truncated)"
-        )
     fields = _LOCAL_HEADER.unpack(header)
-    if fields[0] != ZIP_MAGIC:
-        raise CorruptModelCheckpointError(
-            path, f"zip record {info.filename}: bad local header signature; the file is damaged"
-        )
     name_len, extra_len = fields[9], fields[10]
+    rest = os.pread(fd, name_len + extra_len, start + info.header_offset + _LOCAL_HEADER.size)
+    if fields[0] != ZIP_MAGIC or rest[:name_len] != info.orig_filename.encode("utf-8"):
+        raise CorruptModelCheckpointError(
+            path,
+            f"zip record {name}: the local header does not match the zip directory; "
+            "the file is damaged: copy it again",
+        )
+    extra = rest[name_len:]
+    pos = 0
+    while pos + 4 <= len(extra):
+        pos += 4 + struct.unpack_from("<H", extra, pos + 2)[0]
+    if pos != len(extra):
+        raise CorruptModelCheckpointError(
+            path,
+            f"zip record {name}: malformed extra field in its local header; the file is damaged",
+        )
     offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if offset + info.file_size > length:
         raise CorruptModelCheckpointError(
             path,
-            f"zip record {info.filename} ({info.file_size} bytes at {offset}) runs past the "
-            f"end of the {length}-byte archive; the file is truncated: copy it again",
+            f"zip record {name} ({info.file_size} bytes at {offset}) runs past the end of the "
+            f"{length}-byte archive; the file is truncated: copy it again",
         )
     return start + offset, info.file_size
+
+
+def _check_record_order(
+    path: Path,
+    infos: list[zipfile.ZipInfo],
+    spans: dict[str, tuple[int, int]],
+    start: int,
+    directory: int,
+) -> None:
+    """Records must not overlap each other or the central directory (at ``directory``, relative
+    to the archive's ``start``); a flagged data descriptor follows a record's data."""
+    ordered = sorted(infos, key=lambda i: i.header_offset)
+    for i, info in enumerate(ordered):
+        offset, size = spans[info.filename]
+        stop = offset + size + (16 if info.flag_bits & 0x08 else 0)
+        limit = start + (ordered[i + 1].header_offset if i + 1 < len(ordered) else directory)
+        if stop > limit:
+            raise CorruptModelCheckpointError(
+                path,
+                f"zip record {info.filename} overlaps what follows it; the zip directory "
+                "is damaged: copy the file again",
+            )
 
 
 # -- state dicts -----------------------------------------------------------------------------
@@ -473,6 +586,8 @@ def flatten_state_dict(obj: Any, path: Path) -> dict[str, StoredTensor]:
     checkpoints keep optimizer state and counters beside the weights). Nested dicts are joined
     with ``.``. Any other value is an error naming the key.
     """
+    if isinstance(obj, Unsupported):
+        raise CorruptModelCheckpointError(path, f"the file holds {obj.what}; {obj.hint}")
     if not isinstance(obj, Mapping):
         raise CorruptModelCheckpointError(
             path,
@@ -504,9 +619,7 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], 
             _flatten(v, key + ".", out, path)
         elif isinstance(v, Unsupported):
             raise CorruptModelCheckpointError(
-                path,
-                f"key {key!r} holds {v.what}, which lazyckpt cannot load; convert it to a "
-                "dense tensor before saving",
+                path, f"key {key!r} holds {v.what}, which lazyckpt cannot load; {v.hint}"
             )
         else:
             raise CorruptModelCheckpointError(

@@ -253,7 +253,16 @@ def _locate(
     restrict: bool,
 ) -> FileRegion:
     """Open the chunk's inner torch zip and find its storage record (header reads only)."""
-    archive = read_torch_archive(file, restrict=restrict, window=(offset, length))
+    try:
+        archive = read_torch_archive(file, restrict=restrict, window=(offset, length))
+    except CorruptModelCheckpointError as exc:
+        raise CorruptModelCheckpointError(
+            file, f"key {fqn!r}: the chunk at byte {offset}: {exc}"
+        ) from None
+    if archive.forbidden:
+        raise CorruptModelCheckpointError(
+            file, f"key {fqn!r}: the chunk at byte {offset}: {archive.forbidden_message()}"
+        )
     stored = archive.obj
     if not isinstance(stored, StoredTensor):
         raise CorruptModelCheckpointError(

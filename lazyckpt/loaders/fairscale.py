@@ -21,7 +21,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, flatten_state_dict, read_torch_archive
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_archive
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -135,7 +135,7 @@ def _read_ranks(
     out = []
     for f in files:
         archive = read_torch_archive(f, restrict=restrict)
-        out.append((f, archive, flatten_state_dict(archive.obj, f)))
+        out.append((f, archive, archive.state_dict()))
     return out
 
 

@@ -19,7 +19,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, flatten_state_dict, read_torch_archive
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_archive
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -158,4 +158,4 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
     @staticmethod
     def _read(f: Path, restrict: bool) -> tuple[TorchArchive, dict[str, StoredTensor]]:
         archive = read_torch_archive(f, restrict=restrict)
-        return archive, flatten_state_dict(archive.obj, f)
+        return archive, archive.state_dict()

@@ -33,6 +33,7 @@ __all__ = ["SafetensorsCheckpointLoader", "read_safetensors_header"]
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000
+MAX_DIM = (1 << 63) - 1
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -165,11 +166,11 @@ def _parse_entry(
     if not isinstance(info, dict):
         raise bad("entry is not an object with dtype, shape and data_offsets")
     dtype_name = info.get("dtype")
-    if dtype_name not in _DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
         raise bad(f"unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
     shape = info.get("shape")
-    if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(shape, list) or not all(_int(s) and 0 <= s <= MAX_DIM for s in shape):
+        raise bad(f"shape {shape!r} is not a list of integers in [0, 2**63)")
     offsets = info.get("data_offsets")
     if (
         not isinstance(offsets, list)

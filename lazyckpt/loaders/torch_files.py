@@ -17,7 +17,7 @@ from lazyckpt.loaders._files import (
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
-from lazyckpt.torch_zip import ZIP_MAGIC, flatten_state_dict, read_torch_archive
+from lazyckpt.torch_zip import ZIP_MAGIC, read_torch_archive
 
 __all__ = ["TorchCheckpointLoader", "read_torch_file"]
 
@@ -30,7 +30,7 @@ def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
     archive = read_torch_archive(path, restrict=restrict)
     return [
         FileTensor(key, t.dtype, t.sizes, archive.region(t, f"key {key!r}"))
-        for key, t in flatten_state_dict(archive.obj, path).items()
+        for key, t in archive.state_dict().items()
     ]
 
 

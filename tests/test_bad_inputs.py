@@ -1,0 +1,1213 @@
+"""Issue 7: every bad checkpoint gets a clear error, nothing wrong is yielded, no pickle code runs.
+
+Each case builds a valid checkpoint with the real writer (``safetensors.torch.save_file``,
+``torch.save``, ``torch.distributed.checkpoint.save``), damages it with plain Python, and checks
+the error *type* (``CorruptModelCheckpointError`` for bad data, ``FileNotFoundError`` for a
+missing path, ``ValueError`` for an impossible layout or shard dim) and that the message names the
+file and, where one is at fault, the key. Cases that can read past the end of a file run in a
+child process, so a SIGBUS fails the test instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import traceback
+import warnings
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import expected, same_bits
+from safetensors.torch import save_file
+
+import lazyckpt
+from lazyckpt.loaders import detect_loader
+
+CORRUPT = lazyckpt.CorruptModelCheckpointError
+
+# -- running a load and judging its outcome ---------------------------------------------------
+
+Outcome = dict[str, Any]
+"""``error`` (None or the class name), ``mro`` (qualified class names), ``message``, ``stage``
+(``call``: raised by ``lazy_load()`` itself; ``iterate``: while streaming), ``tb``."""
+
+
+def _describe(exc: BaseException | None, stage: str) -> Outcome:
+    if exc is None:
+        return {"error": None, "stage": stage}
+    return {
+        "error": type(exc).__name__,
+        "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__],
+        "message": str(exc),
+        "stage": stage,
+        "tb": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def attempt(
+    path: Path,
+    shard_dims: dict[str, int] | None = None,
+    layout: lazyckpt.Layout | None = None,
+    **options: Any,
+) -> Outcome:
+    """Load everything in this process; what was raised, and where."""
+    loader = lazyckpt.get_model_checkpoint_loader()
+    opts = lazyckpt.ModelCheckpointLoadOptions(layout=layout, **options)
+    try:
+        stream = loader.lazy_load(path, shard_dims or {}, opts)
+    except Exception as exc:
+        return _describe(exc, "call")
+    try:
+        for _ in stream:
+            pass
+    except Exception as exc:
+        return _describe(exc, "iterate")
+    return _describe(None, "iterate")
+
+
+_CHILD = r"""
+import json, os, sys, traceback
+import lazyckpt
+
+def describe(exc, stage):
+    if exc is None:
+        return {"error": None, "stage": stage}
+    return {
+        "error": type(exc).__name__,
+        "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__],
+        "message": str(exc),
+        "stage": stage,
+        "tb": traceback.format_exc(),
+    }
+
+for job in json.loads(sys.argv[1]):
+    loader = lazyckpt.get_model_checkpoint_loader()
+    opts = lazyckpt.ModelCheckpointLoadOptions(
+        layout=lazyckpt.Layout(**job["layout"]), mmap=job["mmap"]
+    )
+    try:
+        stream = loader.lazy_load(job["path"], job["shard_dims"], opts)
+    except Exception as exc:
+        out = describe(exc, "call")
+    else:
+        if job["truncate_after_call"]:
+            name, size = job["truncate_after_call"]
+            os.truncate(name, size)
+        try:
+            for _ in stream:
+                pass
+            out = describe(None, "iterate")
+        except Exception as exc:
+            out = describe(exc, "iterate")
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def attempt_isolated(jobs: Sequence[dict[str, Any]]) -> list[Outcome]:
+    """Run loads in a child process: a crash (SIGBUS, SIGSEGV, abort) fails the test."""
+    full = [
+        {
+            "shard_dims": {},
+            "layout": {},
+            "mmap": True,
+            "truncate_after_call": None,
+            **job,
+            "path": str(job["path"]),
+        }
+        for job in jobs
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(full)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, (
+        f"the loader crashed (exit status {proc.returncode}"
+        + (f", signal {-proc.returncode}" if proc.returncode < 0 else "")
+        + f"):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    results = [
+        json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    assert len(results) == len(full), proc.stdout + proc.stderr
+    return results
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check(
+    outcome: Outcome,
+    exc_type: type[BaseException],
+    names: Sequence[str | tuple[str, ...]] = (),
+    *,
+    eager: bool = False,
+) -> None:
+    """``outcome`` is ``exc_type`` and its message names each of ``names`` (a tuple: any one of
+    them). ``eager``: it must come from ``lazy_load()`` itself, not from iterating."""
+    assert outcome["error"] is not None, f"no error: expected {exc_type.__name__}"
+    assert _qualname(exc_type) in outcome["mro"], (
+        f"expected {exc_type.__name__}, got {outcome['mro'][0]}: {outcome['message']}\n"
+        f"{outcome['tb']}"
+    )
+    if exc_type is ValueError:
+        # A ValueError from json or a codec deep inside is not a clear error about the layout.
+        assert not {"json.decoder.JSONDecodeError", "builtins.UnicodeError"} & set(
+            outcome["mro"]
+        ), outcome["tb"]
+    if eager:
+        assert outcome["stage"] == "call", (
+            f"raised only while iterating, not by lazy_load(): {outcome['message']}"
+        )
+    message = outcome["message"]
+    for name in names:
+        options = name if isinstance(name, tuple) else (name,)
+        assert any(o in message for o in options), (
+            f"the message does not name {' or '.join(map(repr, options))}: {message!r}"
+        )
+
+
+def fails(
+    path: Path,
+    exc_type: type[BaseException],
+    names: Sequence[str | tuple[str, ...]] = (),
+    *,
+    eager: bool = False,
+    shard_dims: dict[str, int] | None = None,
+    layout: lazyckpt.Layout | None = None,
+    **options: Any,
+) -> Outcome:
+    outcome = attempt(path, shard_dims, layout, **options)
+    check(outcome, exc_type, names, eager=eager)
+    return outcome
+
+
+def load(
+    path: Path, shard_dims: dict[str, int] | None = None, **options: Any
+) -> dict[str, torch.Tensor]:
+    opts = lazyckpt.ModelCheckpointLoadOptions(**options)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    return {k: v.clone() for k, v in loader.lazy_load(path, shard_dims or {}, opts)}
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        assert same_bits(got[k], want[k]), k
+
+
+class Payload:
+    """Pickles as a call of ``os.system`` that would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class ExecPayload:
+    """Pickles as ``builtins.exec`` of code that would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+class MyTensor(torch.Tensor):
+    """A tensor subclass: torch.save pickles it by reference to this module."""
+
+
+# -- safetensors ------------------------------------------------------------------------------
+
+ST_SD = {
+    "st_key_alpha": torch.arange(12, dtype=torch.float32).reshape(4, 3),
+    "st_key_beta": torch.arange(6, dtype=torch.int64),
+    "st_key_gamma": torch.tensor([1.5, -2.0], dtype=torch.float16),
+}
+
+
+def st_split(path: Path) -> tuple[dict[str, Any], bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def st_join(header: dict[str, Any] | bytes, data: bytes, declared: int | None = None) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if declared is None else declared) + text + data
+
+
+def _by_offset(header: dict[str, Any]) -> list[str]:
+    keys = [k for k in header if k != "__metadata__"]
+    return sorted(keys, key=lambda k: header[k]["data_offsets"][0])
+
+
+def _set(key: str, field: str, value: Any) -> Callable[[dict[str, Any], bytes], bytes]:
+    def edit(h: dict[str, Any], d: bytes) -> bytes:
+        h[key][field] = value
+        return st_join(h, d)
+
+    return edit
+
+
+def _offsets(key_of: Callable[[dict[str, Any]], str], fn: Callable[[int, int, int], Any]):
+    """Edit one key's ``data_offsets`` with ``fn(begin, end, data_len)``."""
+
+    def edit(h: dict[str, Any], d: bytes) -> bytes:
+        key = key_of(h)
+        b, e = h[key]["data_offsets"]
+        h[key]["data_offsets"] = fn(b, e, len(d))
+        return st_join(h, d)
+
+    return edit
+
+
+def _first(h: dict[str, Any]) -> str:
+    return _by_offset(h)[0]
+
+
+def _second(h: dict[str, Any]) -> str:
+    return _by_offset(h)[1]
+
+
+def _last(h: dict[str, Any]) -> str:
+    return _by_offset(h)[-1]
+
+
+def _hole(h: dict[str, Any], d: bytes) -> bytes:
+    last = _last(h)
+    b, e = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [b + 4, e + 4]
+    return st_join(h, d[:b] + b"\0" * 4 + d[b:])
+
+
+def _overlap(h: dict[str, Any], d: bytes) -> bytes:
+    # The second tensor starts 2 bytes inside the first; the others move with it.
+    order = _by_offset(h)
+    for k in order[1:]:
+        b, e = h[k]["data_offsets"]
+        h[k]["data_offsets"] = [b - 2, e - 2]
+    return st_join(h, d[:-2])
+
+
+def _duplicate(h: dict[str, Any], d: bytes) -> bytes:
+    text = json.dumps(h)
+    entry = json.dumps(h["st_key_alpha"])
+    return st_join(('{"st_key_alpha": ' + entry + ", " + text[1:]).encode(), d)
+
+
+def _zero_size_huge_dim(h: dict[str, Any], d: bytes) -> bytes:
+    # numel 0, so the byte span (0) matches, but 2**64 fits no 64-bit integer.
+    h["st_key_delta"] = {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [len(d), len(d)]}
+    return st_join(h, d)
+
+
+def _huge_dim_not_in_int64(h: dict[str, Any], d: bytes) -> bytes:
+    h["st_key_delta"] = {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [len(d), len(d)]}
+    return st_join(h, d)
+
+
+ALPHA, GAMMA = "st_key_alpha", "st_key_gamma"
+ANY_KEY = tuple(ST_SD)
+
+# (id, damage(header, data) -> file bytes, names the message must hold besides the file)
+SAFETENSORS_CASES: list[tuple[str, Callable[[dict[str, Any], bytes], bytes], tuple[Any, ...]]] = [
+    ("empty-file", lambda h, d: b"", ()),
+    ("shorter-than-8-bytes", lambda h, d: b"\x10\x00\x00\x00\x00", ()),
+    ("header-length-past-end", lambda h, d: st_join(h, d, len(json.dumps(h)) + len(d) + 1), ()),
+    ("header-length-past-end-of-header", lambda h, d: st_join(h, b"", len(json.dumps(h)) + 5), ()),
+    ("header-over-100MB", lambda h, d: st_join(h, d, 100_000_001), ()),
+    ("header-length-2**64-1", lambda h, d: st_join(h, d, 2**64 - 1), ()),
+    ("header-not-utf8", lambda h, d: st_join(b'{"st_key_\xff\xfe": {}}', d), ()),
+    ("header-not-json", lambda h, d: st_join(json.dumps(h).encode()[:-3], d), ()),
+    ("header-json-array", lambda h, d: st_join(b"[1, 2]  ", d), ()),
+    ("header-json-string", lambda h, d: st_join(b'"st_key_alpha"', d), ()),
+    ("header-json-null", lambda h, d: st_join(b"null", d), ()),
+    ("header-empty-text", lambda h, d: st_join(b"", d), ()),
+    ("entry-not-an-object", lambda h, d: st_join({**h, ALPHA: [1, 2]}, d), (ALPHA,)),
+    ("unknown-dtype", _set(ALPHA, "dtype", "F33"), (ALPHA,)),
+    (
+        "dtype-missing",
+        lambda h, d: st_join({**h, ALPHA: {k: v for k, v in h[ALPHA].items() if k != "dtype"}}, d),
+        (ALPHA,),
+    ),
+    ("dtype-lowercase", _set(ALPHA, "dtype", "f32"), (ALPHA,)),
+    ("negative-dim", _set(ALPHA, "shape", [-4, 3]), (ALPHA,)),
+    ("negative-dim-product-matches", _set(ALPHA, "shape", [-4, -3]), (ALPHA,)),
+    ("float-dim", _set(ALPHA, "shape", [4.0, 3]), (ALPHA,)),
+    ("string-dim", _set(ALPHA, "shape", ["4", 3]), (ALPHA,)),
+    ("bool-dim", _set(ALPHA, "shape", [True, 12]), (ALPHA,)),
+    ("shape-not-a-list", _set(ALPHA, "shape", "4x3"), (ALPHA,)),
+    ("negative-offset", _offsets(_first, lambda b, e, n: [b - 1, e]), (ANY_KEY,)),
+    ("float-offsets", _offsets(_first, lambda b, e, n: [float(b), float(e)]), (ANY_KEY,)),
+    ("string-offsets", _offsets(_first, lambda b, e, n: [str(b), str(e)]), (ANY_KEY,)),
+    ("three-offsets", _offsets(_first, lambda b, e, n: [b, e, e]), (ANY_KEY,)),
+    ("one-offset", _offsets(_first, lambda b, e, n: [b]), (ANY_KEY,)),
+    ("offsets-past-end", _offsets(_last, lambda b, e, n: [b + 8, e + 8]), (ANY_KEY,)),
+    ("offsets-far-past-end", _offsets(_last, lambda b, e, n: [2**62, 2**62 + e - b]), (ANY_KEY,)),
+    ("end-before-begin", _offsets(_second, lambda b, e, n: [e, b]), (ANY_KEY,)),
+    ("overlapping-tensors", _overlap, (ANY_KEY,)),
+    ("hole-between-tensors", _hole, (ANY_KEY,)),
+    ("trailing-bytes", lambda h, d: st_join(h, d + b"\0" * 8), ()),
+    ("shape-times-itemsize-not-span", _set(ALPHA, "shape", [4, 4]), (ALPHA,)),
+    ("dtype-itemsize-not-span", _set(ALPHA, "dtype", "F64"), (ALPHA,)),
+    ("shape-overflow", _set(ALPHA, "shape", [2**62, 2**62, 4]), (ALPHA,)),
+    ("shape-overflow-wraps-to-span", _set(ALPHA, "shape", [2**64 + 12]), (ALPHA,)),
+    ("shape-overflow-zero-size", _zero_size_huge_dim, ("st_key_delta",)),
+    ("dim-past-int64-zero-size", _huge_dim_not_in_int64, ("st_key_delta",)),
+    ("duplicate-key", _duplicate, (ALPHA,)),
+    (
+        "metadata-not-an-object",
+        lambda h, d: st_join({"__metadata__": "pt", **h}, d),
+        ("__metadata__",),
+    ),
+    ("metadata-list", lambda h, d: st_join({"__metadata__": ["pt"], **h}, d), ("__metadata__",)),
+    (
+        "metadata-int-value",
+        lambda h, d: st_join({"__metadata__": {"format": 1}, **h}, d),
+        ("__metadata__",),
+    ),
+    (
+        "metadata-nested-value",
+        lambda h, d: st_join({"__metadata__": {"a": {"b": "c"}}, **h}, d),
+        ("__metadata__",),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def st_original(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    save_file(ST_SD, path)
+    assert_same(load(path), ST_SD)  # the undamaged file loads: the damage is what fails
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage,names", [pytest.param(c[1], c[2], id=c[0]) for c in SAFETENSORS_CASES]
+)
+def test_safetensors_bad_file(
+    tmp_path: Path, st_original: Path, damage: Callable[..., bytes], names: tuple[Any, ...]
+) -> None:
+    header, data = st_split(st_original)
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(damage(header, data))
+    fails(path, CORRUPT, ("broken.safetensors", *names))
+
+
+@pytest.mark.parametrize("name", ["broken.safetensors"])
+def test_safetensors_in_a_folder_names_the_file(tmp_path: Path, name: str) -> None:
+    save_file({"good_key": torch.ones(3)}, tmp_path / "a-good.safetensors")
+    save_file(ST_SD, tmp_path / name)
+    header, data = st_split(tmp_path / name)
+    header[ALPHA]["dtype"] = "X9"
+    (tmp_path / name).write_bytes(st_join(header, data))
+    fails(tmp_path, CORRUPT, (name, ALPHA))
+
+
+def test_safetensors_truncated_never_crashes(tmp_path: Path, st_original: Path) -> None:
+    raw = st_original.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    jobs = []
+    for cut in (0, 5, 8, 8 + n // 2, 8 + n, 8 + n + 7, len(raw) - 1):
+        p = tmp_path / f"cut{cut}.safetensors"
+        p.write_bytes(raw[:cut])
+        for mmap in (True, False):
+            jobs.append({"path": p, "mmap": mmap})
+    # Truncated after lazy_load() validated it, before the first byte is read: the reader
+    # must check the size it maps, not trust the header (SIGBUS otherwise).
+    for mmap in (True, False):
+        p = tmp_path / f"late-{mmap}.safetensors"
+        p.write_bytes(raw)
+        jobs.append({"path": p, "mmap": mmap, "truncate_after_call": [str(p), 8 + n + 10]})
+    for job, outcome in zip(jobs, attempt_isolated(jobs)):
+        check(outcome, CORRUPT, (Path(job["path"]).name,))
+
+
+# -- folders and indexes ----------------------------------------------------------------------
+
+FMTS = {
+    "safetensors": (".safetensors", "model.safetensors.index.json", save_file),
+    "torch": (".bin", "pytorch_model.bin.index.json", lambda sd, p: torch.save(sd, p)),
+}
+
+
+def _write_index(folder: Path, index_name: str, weight_map: dict[str, str]) -> Path:
+    path = folder / index_name
+    path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return path
+
+
+def _sharded(folder: Path, fmt: str) -> tuple[list[str], Path]:
+    """Two shard files and an index; returns the shard names and the index path."""
+    suffix, index_name, save = FMTS[fmt]
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"model-0000{i}-of-00002{suffix}" for i in (1, 2)]
+    save({"idx_key_one": torch.arange(4.0)}, folder / names[0])
+    save({"idx_key_two": torch.ones(2, 2)}, folder / names[1])
+    index = _write_index(folder, index_name, {"idx_key_one": names[0], "idx_key_two": names[1]})
+    return names, index
+
+
+def test_missing_path_is_file_not_found(tmp_path: Path) -> None:
+    for p in (tmp_path / "nope.safetensors", tmp_path / "nope", tmp_path / "nope.pt"):
+        fails(p, FileNotFoundError, (p.name,), eager=True)
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "empty_ckpt"
+    folder.mkdir()
+    fails(folder, CORRUPT, ("empty_ckpt",), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_index_names_a_missing_file(tmp_path: Path, fmt: str) -> None:
+    names, index = _sharded(tmp_path / "ckpt", fmt)
+    (tmp_path / "ckpt" / names[1]).unlink()
+    fails(tmp_path / "ckpt", CORRUPT, (index.name, names[1]), eager=True)
+    fails(index, CORRUPT, (index.name, names[1]), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize(
+    "text",
+    [b"", b"{not json", b"\xff\xfe", b"[]", b'{"metadata": {}}', b'{"weight_map": []}'],
+    ids=["empty", "not-json", "not-utf8", "array", "no-weight-map", "weight-map-list"],
+)
+def test_index_file_not_an_index(tmp_path: Path, fmt: str, text: bytes) -> None:
+    _, index = _sharded(tmp_path / "ckpt", fmt)
+    index.write_bytes(text)
+    fails(tmp_path / "ckpt", CORRUPT, (index.name,), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_index_places_a_key_in_a_file_that_lacks_it(tmp_path: Path, fmt: str) -> None:
+    names, index = _sharded(tmp_path / "ckpt", fmt)
+    _write_index(
+        tmp_path / "ckpt",
+        index.name,
+        {"idx_key_one": names[0], "idx_key_two": names[1], "idx_key_ghost": names[1]},
+    )
+    fails(tmp_path / "ckpt", CORRUPT, (names[1], "idx_key_ghost"), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink-out", "dotdot-missing"])
+def test_index_path_escapes_the_folder(tmp_path: Path, fmt: str, how: str) -> None:
+    suffix, index_name, save = FMTS[fmt]
+    names, _ = _sharded(tmp_path / "ckpt", fmt)
+    outside = tmp_path / f"outside{suffix}"
+    save({"idx_key_two": torch.ones(2, 2)}, outside)
+    (tmp_path / "ckpt" / names[1]).unlink()
+    weight_map = {"idx_key_one": names[0]}
+    if how == "dotdot":
+        weight_map["idx_key_two"] = f"../outside{suffix}"
+        culprit = f"../outside{suffix}"
+    elif how == "dotdot-missing":
+        weight_map["idx_key_two"] = f"../../nowhere/x{suffix}"
+        culprit = f"../../nowhere/x{suffix}"
+    elif how == "absolute":
+        weight_map["idx_key_two"] = str(outside)
+        culprit = str(outside)
+    else:
+        (tmp_path / "ckpt" / names[1]).symlink_to(outside)
+        weight_map["idx_key_two"] = names[1]
+        culprit = names[1]
+    _write_index(tmp_path / "ckpt", index_name, weight_map)
+    fails(tmp_path / "ckpt", CORRUPT, (culprit,), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_symlink_out_of_a_folder_without_index(tmp_path: Path, fmt: str) -> None:
+    suffix, _, save = FMTS[fmt]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save({"loose_key_a": torch.ones(3)}, folder / f"a{suffix}")
+    save({"loose_key_b": torch.ones(3)}, tmp_path / f"elsewhere{suffix}")
+    (folder / f"b{suffix}").symlink_to(tmp_path / f"elsewhere{suffix}")
+    fails(folder, CORRUPT, (f"b{suffix}",), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_same_key_in_two_files_without_index(tmp_path: Path, fmt: str) -> None:
+    suffix, _, save = FMTS[fmt]
+    save({"dup_key_w": torch.zeros(3), "uniq_a": torch.ones(1)}, tmp_path / f"part-a{suffix}")
+    save({"dup_key_w": torch.ones(3), "uniq_b": torch.ones(1)}, tmp_path / f"part-b{suffix}")
+    fails(tmp_path, CORRUPT, ("dup_key_w", f"part-a{suffix}", f"part-b{suffix}"), eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("how", ["pair", "self", "index", "the-path-itself"])
+def test_symlink_loops(tmp_path: Path, fmt: str, how: str) -> None:
+    suffix, index_name, save = FMTS[fmt]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save({"loop_key_ok": torch.ones(2)}, folder / f"ok{suffix}")
+    a, b = folder / f"loop-a{suffix}", folder / f"loop-b{suffix}"
+    if how == "self":
+        a.symlink_to(a.name)
+        target, names = folder, (a.name,)
+    elif how == "pair":
+        a.symlink_to(b.name)
+        b.symlink_to(a.name)
+        target, names = folder, (("loop-a", "loop-b"),)
+    elif how == "index":
+        a.symlink_to(b.name)
+        b.symlink_to(a.name)
+        _write_index(folder, index_name, {"loop_key_ok": f"ok{suffix}", "loop_key_x": a.name})
+        target, names = folder, (a.name,)
+    else:
+        a.symlink_to(b.name)
+        b.symlink_to(a.name)
+        target, names = a, (a.name,)
+    fails(target, CORRUPT, names, eager=True)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_folder_with_index_ignores_an_unlisted_file(tmp_path: Path, fmt: str) -> None:
+    suffix, _, save = FMTS[fmt]
+    folder = tmp_path / "ckpt"
+    _sharded(folder, fmt)
+    # A consolidated copy beside the shards, with other values and an extra key, and a damaged
+    # stray file: the index alone decides, so neither is read nor complained about.
+    save(
+        {
+            "idx_key_one": torch.full((4,), 7.0),
+            "idx_key_two": torch.zeros(2, 2),
+            "extra": torch.ones(1),
+        },
+        folder / f"consolidated{suffix}",
+    )
+    (folder / f"stray-damaged{suffix}").write_bytes(b"\x00garbage")
+    got = load(folder)
+    assert_same(got, {"idx_key_one": torch.arange(4.0), "idx_key_two": torch.ones(2, 2)})
+    notes = " ".join(detect_loader(folder).index(folder).notes)
+    assert f"consolidated{suffix}" in notes and f"stray-damaged{suffix}" in notes, notes
+
+
+# -- torch files ------------------------------------------------------------------------------
+
+PT_SD = {
+    "pt_key_weight": torch.arange(24, dtype=torch.float32).reshape(4, 6),
+    "pt_key_bias": torch.arange(7, dtype=torch.int64),
+}
+
+
+def rewrite_zip(
+    src: Path,
+    dst: Path,
+    *,
+    edit: Callable[[str, bytes], bytes] | None = None,
+    compression: int = zipfile.ZIP_STORED,
+) -> None:
+    """Copy a torch zip record by record (CRCs recomputed), editing or compressing records."""
+    with zipfile.ZipFile(src) as zin:
+        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
+    with zipfile.ZipFile(dst, "w", compression=compression) as zout:
+        for name, data in records:
+            zout.writestr(name, edit(name, data) if edit else data)
+
+
+def _storage_key(path: Path, key: str) -> str:
+    """The zip record name (``<archive>/data/<n>``) holding ``key``'s storage."""
+    with zipfile.ZipFile(path) as zf:
+        pkl_name = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+        pkl = zf.read(pkl_name)
+    prefix = pkl_name[: -len("data.pkl")]
+    loaded: dict[str, Any] = {}
+
+    class Probe(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return pid
+
+        def find_class(self, module: str, name: str) -> Any:
+            if name.startswith("_rebuild_tensor"):
+                return lambda storage, *a: storage
+            if module == "collections":
+                return dict
+            return str
+
+    loaded = Probe(__import__("io").BytesIO(pkl)).load()
+    return prefix + "data/" + loaded[key][2]
+
+
+@pytest.fixture
+def pt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.pt"
+    torch.save(PT_SD, path)
+    assert_same(load(path), PT_SD)
+    return path
+
+
+def test_torch_not_a_zip(tmp_path: Path) -> None:
+    (tmp_path / "noise.pt").write_bytes(b"this is not a zip archive at all" * 4)
+    (tmp_path / "tiny.bin").write_bytes(b"PK")
+    (tmp_path / "zero.pth").write_bytes(b"")
+    for name in ("noise.pt", "tiny.bin", "zero.pth"):
+        fails(tmp_path / name, CORRUPT, (name,), eager=True)
+
+
+def test_torch_legacy_pickle_format(tmp_path: Path) -> None:
+    torch.save(PT_SD, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    fails(tmp_path / "legacy.pt", CORRUPT, ("legacy.pt",), eager=True)
+
+
+def test_torch_truncated_never_crashes(tmp_path: Path, pt_file: Path) -> None:
+    raw = pt_file.read_bytes()
+    with zipfile.ZipFile(pt_file) as zf:
+        data_start = min(i.header_offset for i in zf.infolist() if "/data/" in i.filename)
+    jobs = []
+    for cut in (2, 30, len(raw) // 2, data_start + 40, len(raw) - 22, len(raw) - 1):
+        p = tmp_path / f"cut{cut}.pt"
+        p.write_bytes(raw[:cut])
+        for mmap in (True, False):
+            jobs.append({"path": p, "mmap": mmap})
+    for job, outcome in zip(jobs, attempt_isolated(jobs)):
+        check(outcome, CORRUPT, (Path(job["path"]).name,))
+
+
+@pytest.mark.parametrize("payload", [Payload, ExecPayload], ids=["os.system", "builtins.exec"])
+@pytest.mark.parametrize("where", ["file", "index-folder", "nested-dict", "mp-set"])
+def test_torch_pickle_with_forbidden_global_never_runs(
+    tmp_path: Path, payload: type, where: str
+) -> None:
+    marker = tmp_path / "PAYLOAD_RAN"
+    if where == "file":
+        path = tmp_path / "evil.pt"
+        torch.save({"w": torch.ones(2), "evil_key": payload(marker)}, path)
+        names: tuple[Any, ...] = ("evil.pt",)
+    elif where == "nested-dict":
+        path = tmp_path / "evil.pt"
+        torch.save({"model": {"w": torch.ones(2)}, "extra": {"deep": [payload(marker)]}}, path)
+        names = ("evil.pt",)
+    elif where == "mp-set":
+        shards = mp_shards(2)
+        path = write_mp(tmp_path / "mp_set", shards)
+        torch.save({**shards[1], "evil_key": payload(marker)}, path / "consolidated.01.pth")
+        names = ("consolidated.01.pth",)
+    else:
+        path = tmp_path / "ckpt"
+        names_, _ = _sharded(path, "torch")
+        torch.save({"idx_key_two": torch.ones(2, 2), "x": payload(marker)}, path / names_[1])
+        names = (names_[1],)
+    outcome = fails(path, CORRUPT, names)
+    assert not marker.exists(), "the pickle payload ran"
+    assert "system" in outcome["message"] or "exec" in outcome["message"], outcome["message"]
+
+
+@pytest.mark.parametrize(
+    "value,kind",
+    [
+        (3, "int"),
+        ("a string", "str"),
+        ([torch.ones(2)], "list"),
+        (None, "NoneType"),
+    ],
+    ids=["int", "str", "list-of-tensors", "none"],
+)
+def test_torch_non_tensor_values(tmp_path: Path, value: Any, kind: str) -> None:
+    torch.save({"pt_key_weight": torch.ones(3), "odd_value_key": value}, tmp_path / "m.pt")
+    fails(tmp_path / "m.pt", CORRUPT, ("m.pt", "odd_value_key"))
+
+
+def test_torch_top_level_not_a_state_dict(tmp_path: Path) -> None:
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    fails(tmp_path / "list.pt", CORRUPT, ("list.pt",))
+    torch.save(torch.ones(2), tmp_path / "bare.pt")
+    fails(tmp_path / "bare.pt", CORRUPT, ("bare.pt",))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8),
+        lambda: torch.ones(3).as_subclass(MyTensor),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    ],
+    ids=["sparse-coo", "sparse-csr", "quantized", "subclass", "nested"],
+)
+def test_torch_unsupported_tensor_kinds(tmp_path: Path, make: Callable[[], torch.Tensor]) -> None:
+    torch.save({"plain_key": torch.ones(2), "special_key": make()}, tmp_path / "m.pt")
+    fails(tmp_path / "m.pt", CORRUPT, ("m.pt", "special_key"))
+
+
+def test_torch_compressed_records(tmp_path: Path, pt_file: Path) -> None:
+    rewrite_zip(pt_file, tmp_path / "deflated.pt", compression=zipfile.ZIP_DEFLATED)
+    fails(tmp_path / "deflated.pt", CORRUPT, ("deflated.pt",))
+
+
+@pytest.mark.parametrize("key", list(PT_SD))
+def test_torch_record_shorter_than_its_storage(tmp_path: Path, pt_file: Path, key: str) -> None:
+    record = _storage_key(pt_file, key)
+    out = tmp_path / "short.pt"
+    rewrite_zip(pt_file, out, edit=lambda name, data: data[:-8] if name == record else data)
+    for mmap in (True, False):
+        fails(out, CORRUPT, ("short.pt", key), mmap=mmap)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (b"K\x25\x85", b"K\x2c\x85"),  # size 37 -> 44: offset 7 + 44 > 50 elements
+        (b"K\x07K\x25", b"K\x14K\x25"),  # storage offset 7 -> 20: 20 + 37 > 50
+        (b"K\x01\x85", b"K\x02\x85"),  # stride 1 -> 2: 7 + 2 * 36 + 1 > 50
+        (b"K2t", b"K(t"),  # storage numel 50 -> 40, the record keeps 200 bytes: 7 + 37 > 40
+    ],
+    ids=["size", "offset", "stride", "storage-numel"],
+)
+def test_torch_view_past_its_storage(tmp_path: Path, old: bytes, new: bytes) -> None:
+    base = torch.arange(50, dtype=torch.float32)
+    torch.save({"view_key": base[7:44]}, tmp_path / "view.pt")
+    assert same_bits(load(tmp_path / "view.pt")["view_key"], base[7:44])
+
+    def edit(name: str, data: bytes) -> bytes:
+        if not name.endswith("data.pkl"):
+            return data
+        assert data.count(old) == 1, data
+        return data.replace(old, new)
+
+    rewrite_zip(tmp_path / "view.pt", tmp_path / "bad_view.pt", edit=edit)
+    for mmap in (True, False):
+        fails(tmp_path / "bad_view.pt", CORRUPT, ("bad_view.pt", "view_key"), mmap=mmap)
+
+
+# -- model-parallel sets (fairscale consolidated.NN.pth) ---------------------------------------
+
+MP_FULL = {
+    "layers.0.attention.wq.weight": torch.arange(48, dtype=torch.float32).reshape(8, 6),
+    "layers.0.attention.wo.weight": torch.arange(48, dtype=torch.float32).reshape(6, 8) * -1,
+    "norm.weight": torch.linspace(0, 1, 6),
+}
+MP_DIMS = {"layers.0.attention.wq.weight": 0, "layers.0.attention.wo.weight": 1}
+WQ, WO, NORM = list(MP_FULL)
+
+
+def mp_shards(n: int, full: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
+    full = full or MP_FULL
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for k, t in full.items():
+        dim = MP_DIMS.get(k)
+        parts = torch.chunk(t, n, dim) if dim is not None else [t] * n
+        for r in range(n):
+            out[r][k] = parts[r].clone()
+    return out
+
+
+def write_mp(
+    folder: Path, shards: list[dict[str, torch.Tensor]], names: list[str] | None = None
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = names or [f"consolidated.{r:02d}.pth" for r in range(len(shards))]
+    for sd, name in zip(shards, names):
+        torch.save(sd, folder / name)
+    return folder
+
+
+def test_mp_valid_set_loads(tmp_path: Path) -> None:
+    folder = write_mp(tmp_path / "mp", mp_shards(4))
+    assert_same(load(folder, MP_DIMS), MP_FULL)
+    layout = lazyckpt.Layout(tp_size=2, tp_rank=1)
+    got = load(folder, MP_DIMS, layout=layout)
+    assert_same(got, {k: expected(t, MP_DIMS.get(k), layout) for k, t in MP_FULL.items()})
+
+
+@pytest.mark.parametrize(
+    "ranks,names",
+    [
+        ([0, 1, 3], ("consolidated.02.pth",)),  # a gap
+        ([1, 2], ("consolidated.00.pth",)),  # numbered from 1
+        ([0, 2], ("consolidated.01.pth",)),
+    ],
+    ids=["gap-00-01-03", "starts-at-01", "gap-00-02"],
+)
+def test_mp_missing_rank_file(tmp_path: Path, ranks: list[int], names: tuple[str, ...]) -> None:
+    shards = mp_shards(4)
+    folder = write_mp(
+        tmp_path / "mp_set",
+        [shards[r] for r in ranks],
+        [f"consolidated.{r:02d}.pth" for r in ranks],
+    )
+    fails(folder, CORRUPT, ("mp_set", *names), eager=True, shard_dims=MP_DIMS)
+
+
+@pytest.mark.parametrize(
+    "names,culprit",
+    [
+        (
+            ["consolidated.0.pth", "consolidated.01.pth"],
+            ("consolidated.0.pth", "consolidated.01.pth"),
+        ),
+        (
+            ["consolidated.00.pth", "consolidated.01.pth", "consolidated.1.pth"],
+            ("consolidated.1.pth",),
+        ),
+        (
+            ["consolidated.00.pth", "consolidated.001.pth"],
+            ("consolidated.001.pth", "consolidated.00.pth"),
+        ),
+    ],
+    ids=["mixed-widths", "two-files-for-rank-1", "three-digit-beside-two"],
+)
+def test_mp_misnumbered_files(tmp_path: Path, names: list[str], culprit: tuple[str, ...]) -> None:
+    shards = mp_shards(len(names))
+    folder = write_mp(tmp_path / "mp_set", shards, names)
+    fails(folder, CORRUPT, ("mp_set", culprit), eager=True, shard_dims=MP_DIMS)
+
+
+def test_mp_extra_rank_file_from_another_set(tmp_path: Path) -> None:
+    shards = mp_shards(2)
+    other = dict(mp_shards(2)[1])
+    other["layers.1.attention.wq.weight"] = torch.ones(4, 6)
+    folder = write_mp(tmp_path / "mp_set", [*shards, other])
+    fails(
+        folder, CORRUPT, ("consolidated.02.pth", "layers.1.attention.wq.weight"), shard_dims=MP_DIMS
+    )
+
+
+@pytest.mark.parametrize("key", [WQ, NORM])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mp_key_missing_on_some_ranks(tmp_path: Path, key: str, rank: int) -> None:
+    shards = mp_shards(3)
+    del shards[rank][key]
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(folder, CORRUPT, (key, f"consolidated.{rank:02d}.pth"), eager=True, shard_dims=MP_DIMS)
+
+
+@pytest.mark.parametrize(
+    "key,bad",
+    [
+        (WQ, torch.zeros(4, 5)),  # off the shard dim 0
+        (WO, torch.zeros(5, 4)),  # off the shard dim 1
+        (WQ, torch.zeros(4, 6, 1)),  # different rank
+        (NORM, torch.zeros(7)),  # a replica of another shape
+    ],
+    ids=["wq-cols", "wo-rows", "wq-ndim", "replica-shape"],
+)
+def test_mp_shard_shapes_disagree(tmp_path: Path, key: str, bad: torch.Tensor) -> None:
+    shards = mp_shards(2)
+    shards[1][key] = bad
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(folder, CORRUPT, (key, "consolidated.01.pth"), eager=True, shard_dims=MP_DIMS)
+
+
+@pytest.mark.parametrize("key", [WQ, NORM])
+def test_mp_shard_dtypes_disagree(tmp_path: Path, key: str) -> None:
+    shards = mp_shards(2)
+    shards[1][key] = shards[1][key].to(torch.bfloat16)
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(folder, CORRUPT, (key, "consolidated.01.pth"), eager=True, shard_dims=MP_DIMS)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_mp_replicas_that_differ(tmp_path: Path, mmap: bool) -> None:
+    shards = mp_shards(2)
+    shards[1][NORM] = shards[1][NORM] + 1  # same shape and dtype, other bytes
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(
+        folder,
+        CORRUPT,
+        (NORM, ("consolidated.00.pth", "consolidated.01.pth")),
+        shard_dims=MP_DIMS,
+        mmap=mmap,
+    )
+
+
+def test_mp_replicas_that_differ_one_bit(tmp_path: Path) -> None:
+    shards = mp_shards(2)
+    t = shards[1][NORM].clone()
+    t.view(torch.int32)[3] ^= 1
+    shards[1][NORM] = t
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(folder, CORRUPT, (NORM,), shard_dims=MP_DIMS)
+
+
+def test_mp_split_keys_without_shard_dims_are_not_taken_as_replicas(tmp_path: Path) -> None:
+    # Every key split in equal halves: the shards look like replicas (same shape and dtype) but
+    # differ. Forgetting shard_dims must not yield rank 0's shard as the whole tensor.
+    full = {
+        "layers.0.attention.wq.weight": torch.arange(32.0).reshape(8, 4),
+        "layers.0.attention.wo.weight": torch.arange(32.0).reshape(4, 8),
+    }
+    shards = [
+        {
+            "layers.0.attention.wq.weight": full[WQ][:4].clone(),
+            "layers.0.attention.wo.weight": full[WO][:, :4].clone(),
+        },
+        {
+            "layers.0.attention.wq.weight": full[WQ][4:].clone(),
+            "layers.0.attention.wo.weight": full[WO][:, 4:].clone(),
+        },
+    ]
+    folder = write_mp(tmp_path / "mp_set", shards)
+    fails(folder, CORRUPT, ((WQ, WO),), shard_dims={})
+
+
+@pytest.mark.parametrize("dim", [2, -3, 7])
+def test_mp_shard_dim_out_of_range(tmp_path: Path, dim: int) -> None:
+    folder = write_mp(tmp_path / "mp_set", mp_shards(2))
+    fails(folder, ValueError, (WQ,), eager=True, shard_dims={**MP_DIMS, WQ: dim})
+
+
+def test_shard_dim_out_of_range_single_file(tmp_path: Path, pt_file: Path) -> None:
+    fails(
+        pt_file,
+        ValueError,
+        ("pt_key_weight",),
+        eager=True,
+        shard_dims={"pt_key_weight": 2},
+        layout=lazyckpt.Layout(tp_size=2, tp_rank=0),
+    )
+    fails(pt_file, ValueError, ("pt_key_weight",), eager=True, shard_dims={"pt_key_weight": "0"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
+        ({"tp_size": 8, "tp_rank": 9}, "tp_rank"),
+        ({"tp_size": 2, "tp_rank": -1}, "tp_rank"),
+        ({"dp_size": 4, "dp_rank": 4}, "dp_rank"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"dp_size": -2}, "dp_size"),
+    ],
+)
+def test_target_rank_not_below_size(fields: dict[str, int], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        lazyckpt.Layout(**fields)
+
+
+# -- torch.distributed.checkpoint --------------------------------------------------------------
+
+DCP_SD = {
+    "dcp_key_matrix": torch.arange(24, dtype=torch.float32).reshape(6, 4),
+    "dcp_key_ids": torch.arange(10, dtype=torch.int64),
+    "dcp_key_scalar": torch.tensor(0.25),
+}
+MATRIX = "dcp_key_matrix"
+
+
+def write_dcp(folder: Path, sd: dict[str, torch.Tensor] | None = None) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(dict(sd or DCP_SD), checkpoint_id=folder)
+    return folder
+
+
+def read_meta(folder: Path) -> Any:
+    return pickle.loads((folder / ".metadata").read_bytes())
+
+
+def write_meta(folder: Path, meta: Any) -> None:
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _storage_item(meta: Any, fqn: str) -> tuple[Any, Any]:
+    return next((k, v) for k, v in meta.storage_data.items() if k.fqn == fqn)
+
+
+@pytest.fixture
+def dcp_folder(tmp_path: Path) -> Path:
+    folder = write_dcp(tmp_path / "dcp_ckpt")
+    assert_same(load(folder), DCP_SD)
+    return folder
+
+
+def test_dcp_missing_metadata(dcp_folder: Path) -> None:
+    (dcp_folder / ".metadata").unlink()
+    fails(dcp_folder, CORRUPT, ("dcp_ckpt",), eager=True)
+    fails(dcp_folder / ".metadata", FileNotFoundError, (".metadata",), eager=True)
+
+
+@pytest.mark.parametrize("payload", [Payload, ExecPayload], ids=["os.system", "builtins.exec"])
+@pytest.mark.parametrize("field", ["planner_data", "storage_meta"])
+def test_dcp_metadata_with_forbidden_global(
+    tmp_path: Path, dcp_folder: Path, payload: type, field: str
+) -> None:
+    marker = tmp_path / "PAYLOAD_RAN"
+    meta = read_meta(dcp_folder)
+    setattr(meta, field, {"x": payload(marker)})
+    write_meta(dcp_folder, meta)
+    outcome = fails(dcp_folder, CORRUPT, (".metadata",), eager=True)
+    assert not marker.exists(), "the pickle payload ran"
+    assert "system" in outcome["message"] or "exec" in outcome["message"], outcome["message"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"garbage, not a pickle", pickle.dumps({"not": "metadata"}), pickle.dumps([1])[:-1]],
+    ids=["empty", "garbage", "other-object", "cut-pickle"],
+)
+def test_dcp_metadata_not_metadata(dcp_folder: Path, data: bytes) -> None:
+    (dcp_folder / ".metadata").write_bytes(data)
+    fails(dcp_folder, CORRUPT, (".metadata",), eager=True)
+
+
+def test_dcp_missing_distcp(dcp_folder: Path) -> None:
+    [distcp] = list(dcp_folder.glob("*.distcp"))
+    distcp.unlink()
+    fails(dcp_folder, CORRUPT, (distcp.name,), eager=True)
+
+
+def test_dcp_truncated_distcp_never_crashes(tmp_path: Path) -> None:
+    jobs = []
+    for cut in ("half", "minus-1", "first-chunk-only", "late"):
+        folder = write_dcp(tmp_path / f"dcp_{cut}")
+        [distcp] = list(folder.glob("*.distcp"))
+        size = distcp.stat().st_size
+        first_end = min(v.offset + v.length for v in read_meta(folder).storage_data.values())
+        if cut == "late":
+            # Truncated after lazy_load() has indexed it: caught by the reader, not by SIGBUS.
+            for mmap in (True, False):
+                again = write_dcp(tmp_path / f"dcp_late_{mmap}")
+                [d] = list(again.glob("*.distcp"))
+                jobs.append(
+                    {"path": again, "mmap": mmap, "truncate_after_call": [str(d), first_end + 100]}
+                )
+            continue
+        os.truncate(distcp, {"half": size // 2, "minus-1": size - 1}.get(cut, first_end))
+        jobs += [{"path": folder, "mmap": True}, {"path": folder, "mmap": False}]
+    for outcome in attempt_isolated(jobs):
+        check(outcome, CORRUPT, (".distcp", "dcp_key_"))
+
+
+def _move_chunk(meta: Any, fqn: str, offsets: tuple[int, ...]) -> None:
+    """Give ``fqn``'s only chunk new global offsets, in both places the metadata keeps them."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = meta.state_dict_metadata[fqn]
+    md.chunks[0].offsets = torch.Size(offsets)
+    key, info = _storage_item(meta, fqn)
+    del meta.storage_data[key]
+    meta.storage_data[MetadataIndex(fqn, torch.Size(offsets), key.index)] = info
+
+
+def _overlap_chunks(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    md = meta.state_dict_metadata[MATRIX]
+    md.size = torch.Size([9, 4])
+    md.chunks.append(ChunkStorageMetadata(offsets=torch.Size([3, 0]), sizes=torch.Size([6, 4])))
+    _, info = _storage_item(meta, MATRIX)
+    meta.storage_data[MetadataIndex(MATRIX, torch.Size([3, 0]), 1)] = info
+
+
+def _overlap_same_volume(meta: Any) -> None:
+    # Two 3x4 chunks at rows 0 and 2 of a 6x4 tensor: volumes add up (24) but rows 2 overlap
+    # and row 5 is missing. Both chunks point at the same stored 6x4 data, resized.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    md = meta.state_dict_metadata[MATRIX]
+    key, info = _storage_item(meta, MATRIX)
+    md.chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([6, 2])),
+        ChunkStorageMetadata(offsets=torch.Size([0, 1]), sizes=torch.Size([6, 2])),
+    ]
+    del meta.storage_data[key]
+    meta.storage_data[MetadataIndex(MATRIX, torch.Size([0, 0]), 0)] = info
+    meta.storage_data[MetadataIndex(MATRIX, torch.Size([0, 1]), 1)] = info
+
+
+def _storage_offset(delta: Callable[[int, int], int]) -> Callable[[Any, Path], None]:
+    def edit(meta: Any, folder: Path) -> None:
+        _, info = _storage_item(meta, MATRIX)
+        size = next(folder.glob("*.distcp")).stat().st_size
+        info.offset = delta(info.offset, size)
+
+    return edit
+
+
+DCP_CASES: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+    ("chunk-offsets-past-the-end", lambda m, f: _move_chunk(m, MATRIX, (6, 0)), (MATRIX,)),
+    ("chunk-offsets-past-the-end-dim1", lambda m, f: _move_chunk(m, MATRIX, (0, 1)), (MATRIX,)),
+    ("chunk-offsets-negative", lambda m, f: _move_chunk(m, MATRIX, (-1, 0)), (MATRIX,)),
+    ("storage-offset-past-the-file", _storage_offset(lambda o, n: n + 10), (MATRIX, ".distcp")),
+    ("storage-offset-far-past-the-file", _storage_offset(lambda o, n: 2**62), (MATRIX, ".distcp")),
+    (
+        "storage-length-past-the-file",
+        lambda m, f: setattr(_storage_item(m, MATRIX)[1], "length", 10**9),
+        (MATRIX, ".distcp"),
+    ),
+    ("storage-offset-negative", _storage_offset(lambda o, n: -5), (MATRIX,)),
+    (
+        "chunks-do-not-cover",
+        lambda m, f: setattr(m.state_dict_metadata[MATRIX], "size", torch.Size([8, 4])),
+        (MATRIX,),
+    ),
+    (
+        "chunks-do-not-cover-dim1",
+        lambda m, f: setattr(m.state_dict_metadata[MATRIX], "size", torch.Size([6, 5])),
+        (MATRIX,),
+    ),
+    ("no-chunks", lambda m, f: setattr(m.state_dict_metadata[MATRIX], "chunks", []), (MATRIX,)),
+    (
+        "chunk-outside-smaller-tensor",
+        lambda m, f: setattr(m.state_dict_metadata[MATRIX], "size", torch.Size([5, 4])),
+        (MATRIX,),
+    ),
+    ("chunks-overlap", lambda m, f: _overlap_chunks(m), (MATRIX,)),
+    ("chunks-overlap-same-volume", lambda m, f: _overlap_same_volume(m), (MATRIX,)),
+    (
+        "chunk-without-storage-entry",
+        lambda m, f: m.storage_data.pop(_storage_item(m, MATRIX)[0]),
+        (MATRIX,),
+    ),
+    (
+        "storage-path-escapes",
+        lambda m, f: setattr(_storage_item(m, MATRIX)[1], "relative_path", "../x.distcp"),
+        ("../x.distcp",),
+    ),
+    (
+        "negative-size",
+        lambda m, f: setattr(m.state_dict_metadata[MATRIX], "size", torch.Size([-6, 4])),
+        (MATRIX,),
+    ),
+]
+
+
+@pytest.mark.parametrize("edit,names", [pytest.param(c[1], c[2], id=c[0]) for c in DCP_CASES])
+def test_dcp_bad_metadata(
+    dcp_folder: Path, edit: Callable[..., None], names: tuple[Any, ...]
+) -> None:
+    meta = read_meta(dcp_folder)
+    edit(meta, dcp_folder)
+    write_meta(dcp_folder, meta)
+    for mmap in (True, False):
+        fails(dcp_folder, CORRUPT, names, mmap=mmap)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: setattr(m.state_dict_metadata[MATRIX].properties, "dtype", torch.float64),
+        lambda m: setattr(m.state_dict_metadata[MATRIX].properties, "dtype", torch.int32),
+        lambda m: (
+            setattr(m.state_dict_metadata[MATRIX], "size", torch.Size([4, 6])),
+            setattr(m.state_dict_metadata[MATRIX].chunks[0], "sizes", torch.Size([4, 6])),
+        ),
+        # The matrix's chunk now points at the ids' stored zip (another shape and dtype).
+        lambda m: setattr(
+            _storage_item(m, MATRIX)[1], "offset", _storage_item(m, "dcp_key_ids")[1].offset
+        ),
+    ],
+    ids=["dtype-f64", "dtype-i32", "shape-transposed", "points-at-other-chunk"],
+)
+def test_dcp_metadata_disagrees_with_the_data(dcp_folder: Path, edit: Callable[[Any], Any]) -> None:
+    meta = read_meta(dcp_folder)
+    edit(meta)
+    write_meta(dcp_folder, meta)
+    for mmap in (True, False):
+        fails(dcp_folder, CORRUPT, (MATRIX,), mmap=mmap)
