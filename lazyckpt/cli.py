@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from tqdm.auto import tqdm
 
 from lazyckpt.build import output_dtype
 from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
@@ -38,7 +37,7 @@ from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.plan import is_dense, span
 from lazyckpt.presets import PRESETS, ShardDimPreset
-from lazyckpt.stats import LoadStats
+from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["ShardDimsChoice", "build_parser", "main", "resolve_shard_dims"]
 
@@ -619,16 +618,7 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
     zips = [f for f in index.files if zipfile.is_zipfile(f)]
     total = sum(f.stat().st_size for f in zips)
     checked = 0
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="checking CRC-32",
-        disable=not progress,
-        leave=False,
-        file=sys.stderr,
-    ) as bar:
+    with byte_bar(total, "checking CRC-32", enabled=progress) as bar:
         for f in zips:
             with open(f, "rb") as raw, zipfile.ZipFile(raw) as zf:
                 for info in zf.infolist():

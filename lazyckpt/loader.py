@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import final
 
 import torch
-from tqdm.auto import tqdm
 
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
@@ -24,7 +23,7 @@ from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.prefetch import prefetched
 from lazyckpt.read import Reader
-from lazyckpt.stats import LoadStats
+from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["IndexedCheckpointLoader", "KeyRules", "ModelCheckpointLoader", "check_path"]
 
@@ -159,15 +158,7 @@ def _stream(
     device = options.target_device
     pool = PinnedPool() if device.type == "cuda" else None
     total = sum(p.nbytes for p in plans)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="loading",
-        disable=not options.progress,
-        leave=False,
-    )
+    bar = byte_bar(total, "loading", enabled=options.progress)
     stats.start()
     with Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
 

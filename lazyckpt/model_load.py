@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from lazyckpt.build import PinnedPool, fill
 from lazyckpt.errors import ModelCheckpointError
@@ -27,7 +26,7 @@ from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.plan import Box
 from lazyckpt.read import Reader
-from lazyckpt.stats import LoadStats
+from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["KeyMismatchError", "LoadReport", "load_into"]
 
@@ -234,15 +233,7 @@ def load_into(
         pool = PinnedPool()
     stats = report.stats
     stats.start()
-    bar = tqdm(
-        total=sum(p.nbytes for p in plans),
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="load_into",
-        disable=not options.progress,
-        leave=False,
-    )
+    bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
     with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
         for plan in plans:
             fill(plan, reader, destinations[plan.key], pool=pool)

@@ -6,11 +6,28 @@ file against bytes delivered, so read amplification is visible, not claimed.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["LoadStats"]
+from tqdm.auto import tqdm
+
+__all__ = ["LoadStats", "byte_bar"]
+
+
+def byte_bar(total: int, desc: str, *, enabled: bool) -> tqdm:
+    """A progress bar in bytes (with bytes/s) on stderr; a no-op when not ``enabled``."""
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        disable=not enabled,
+        leave=False,
+        file=sys.stderr,
+    )
 
 
 @dataclass

@@ -39,7 +39,7 @@ from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
-from lazyckpt.stats import LoadStats
+from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = [
     "DestinationError",
@@ -623,16 +623,7 @@ def reshard(
                     )
     sidecars = [n for n in SIDECARS if src_path.is_dir() and (src_root / n).is_file()]
     total = sum(o.nbytes for o in outputs)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="writing",
-        disable=not progress,
-        leave=False,
-        file=sys.stderr,
-    )
+    bar = byte_bar(total, "writing", enabled=progress)
     with bar, atomic_folder(dst_path, force=force) as tmp:
         by_layout: dict[Layout, list[OutputFile]] = {}
         for out in outputs:
