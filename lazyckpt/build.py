@@ -34,7 +34,9 @@ def build_tensor(
     on_cpu = device is None or device.type == "cpu"
     if on_cpu and plan.may_be_view and out_dtype == plan.entry.dtype:
         piece = plan.pieces[0]
-        view = reader.view(plan.chunks[piece.chunk], plan.entry.dtype, piece, _what(plan))
+        view = reader.view(
+            plan.chunks[piece.chunk], plan.entry.dtype, piece, plan.entry.checkpoint_key
+        )
         if view is not None:
             return view, True
     dst = torch.empty(plan.box.sizes, dtype=out_dtype, device=device)
@@ -50,35 +52,31 @@ def fill(
     This is how ``load_into`` fills a parameter in place: no second buffer on the CPU, and a
     CUDA destination is filled through ``pool``'s pinned buffers.
     """
-    what = _what(plan)
+    key = plan.entry.checkpoint_key
     src_dtype = plan.entry.dtype
     if tuple(dst.shape) != plan.box.sizes:
         raise ValueError(
-            f"{what}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}"
+            f"key {key!r}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}"
         )
     if plan.verify:
         # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype.
         first = torch.empty(plan.box.sizes, dtype=src_dtype)
-        _fill(reader, plan.chunks, src_dtype, plan.pieces, first, what)
-        _verify(plan, reader, first, what)
+        _fill(reader, plan.chunks, src_dtype, plan.pieces, first, key)
+        _verify(plan, reader, first, key)
         dst.copy_(first)
     elif dst.device.type == "cuda":
         if pool is None:
             raise ValueError("a CUDA destination needs a PinnedPool")
-        _fill_cuda(plan, reader, dst, pool, what)
+        _fill_cuda(plan, reader, dst, pool, key)
     else:
-        _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, what)
+        _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, key)
 
 
-def _what(plan: TensorPlan) -> str:
-    return f"key {plan.entry.display_key}"
-
-
-def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, what: str) -> None:
+def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> None:
     src_dtype = plan.entry.dtype
     for copy, pieces in plan.verify:
         other = torch.empty(plan.box.sizes, dtype=src_dtype)
-        _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, what)
+        _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, key)
         if reader.stats is not None:
             reader.stats.add_verified(other.numel() * src_dtype.itemsize)
         if not _same_bits(first, other):
@@ -89,6 +87,7 @@ def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, what: str) ->
                 f"key {plan.entry.display_key} should be a replica but its copies in {a} and {b} "
                 "differ; if the key is split across model-parallel ranks, add it to shard_dims "
                 "(see lazyckpt.presets), otherwise one of the files is damaged",
+                key=plan.entry.checkpoint_key,
             )
 
 
@@ -98,10 +97,10 @@ def _fill(
     src_dtype: torch.dtype,
     pieces: Sequence[Piece],
     dst: torch.Tensor,
-    what: str,
+    key: str,
 ) -> None:
     for piece in pieces:
-        reader.copy(chunks[piece.chunk], src_dtype, piece, dst, what)  # type: ignore[arg-type]
+        reader.copy(chunks[piece.chunk], src_dtype, piece, dst, key)  # type: ignore[arg-type]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -153,7 +152,7 @@ class PinnedPool:
 
 
 def _fill_cuda(
-    plan: TensorPlan, reader: Reader, dst: torch.Tensor, pool: PinnedPool, what: str
+    plan: TensorPlan, reader: Reader, dst: torch.Tensor, pool: PinnedPool, key: str
 ) -> None:
     """Fill a CUDA tensor slab by slab (along dim 0) through pinned buffers."""
     box, src_dtype = plan.box, plan.entry.dtype
@@ -173,7 +172,7 @@ def _fill_cuda(
     for sub, rows_slice in slabs:
         slot, raw = pool.take(sub.numel * src_dtype.itemsize)
         staging = raw.view(src_dtype).view(sub.sizes)
-        _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, what)
+        _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, key)
         target = dst if rows_slice is None else dst[rows_slice]
         if dst.dtype == src_dtype:
             target.copy_(staging, non_blocking=True)

@@ -12,9 +12,7 @@ Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import re
 import signal
 import sys
 import traceback
@@ -455,19 +453,9 @@ def _root(index: CheckpointIndex) -> Path:
 
 # -- verify --------------------------------------------------------------------------------
 
-_KEY_RE = re.compile(r"""key ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
-
-
-def key_named(message: str) -> str | None:
-    """The first key an error message names (messages quote keys with ``repr``)."""
-    m = _KEY_RE.search(message)
-    if m is None:
-        return None
-    try:
-        value = ast.literal_eval(m.group(1))
-    except (ValueError, SyntaxError):
-        return None
-    return value if isinstance(value, str) else None
+def key_of(exc: BaseException) -> str | None:
+    """The checkpoint key an error is about, when it is about one."""
+    return getattr(exc, "key", None)
 
 
 class Problems:
@@ -505,7 +493,7 @@ def index_collecting(
             return loader.index(path, dims, options), dropped
         except ModelCheckpointError as exc:
             problems.add(exc)
-            key = key_named(str(exc))
+            key = key_of(exc)
             if key is None or key in dropped:
                 return None, dropped
             dropped.add(key)
@@ -592,7 +580,7 @@ def read_collecting(
                 yielded += 1
             return len(done)
         except (ModelCheckpointError, OSError) as exc:
-            failed = order[yielded] if yielded < len(order) else key_named(str(exc))
+            failed = order[yielded] if yielded < len(order) else key_of(exc)
             message = _one_line(exc)
             if isinstance(exc, OSError) and failed is not None:
                 message = f"{path}: key {failed!r}: read failed: {message}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CorruptModelCheckpointError",
@@ -24,20 +25,30 @@ class ModelCheckpointError(Exception):
 class CorruptModelCheckpointError(ModelCheckpointError):
     """The checkpoint's data or metadata is bad or inconsistent.
 
-    ``path`` is the file (or folder) at fault; the message names it and, where one key is at
-    fault, the key, and says what to do.
+    ``path`` is the file (or folder) at fault; ``key`` the checkpoint key at fault, when one
+    is. The message names both and says what to do.
     """
 
     path: Path
+    key: str | None
 
-    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], message: str, *, key: str | None = None
+    ) -> None:
         self.path = Path(path)
+        self.key = key
         text = message if str(self.path) in message else f"{self.path}: {message}"
         super().__init__(text)
 
-    def __reduce__(self) -> tuple[type, tuple[Path, str]]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Keeps the error picklable across spawned processes.
-        return (type(self), (self.path, str(self)))
+        return (_rebuild, (type(self), self.path, str(self), self.key))
+
+
+def _rebuild(
+    cls: type[CorruptModelCheckpointError], path: Path, message: str, key: str | None
+) -> CorruptModelCheckpointError:
+    return cls(path, message, key=key)
 
 
 class UnknownCheckpointFormatError(CorruptModelCheckpointError):

@@ -119,6 +119,11 @@ class TensorEntry:
         return self.numel * self.dtype.itemsize
 
     @property
+    def checkpoint_key(self) -> str:
+        """The key as the checkpoint names it (before ``key_map``)."""
+        return self.source_key if self.source_key is not None else self.key
+
+    @property
     def display_key(self) -> str:
         if self.source_key is not None and self.source_key != self.key:
             return f"{self.key!r} (checkpoint key {self.source_key!r})"

@@ -98,7 +98,9 @@ def plan_entry(
     ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box)."""
     if any(s > _MAX_DIM for s in entry.shape):
         raise CorruptModelCheckpointError(
-            where, f"key {entry.display_key}: shape {entry.shape} has a dim past 2**63"
+            where,
+            f"key {entry.display_key}: shape {entry.shape} has a dim past 2**63",
+            key=entry.checkpoint_key,
         )
     dim = shard_dims.get(entry.key)
     if dim is not None:
@@ -113,7 +115,9 @@ def plan_entry(
         try:
             check_tiling(entry.shape, [Box(c.offsets, c.sizes) for c in copy])
         except PlanError as exc:
-            raise CorruptModelCheckpointError(where, f"key {entry.display_key}: {exc}") from None
+            raise CorruptModelCheckpointError(
+                where, f"key {entry.display_key}: {exc}", key=entry.checkpoint_key
+            ) from None
     if box is None:
         box = target_box(
             entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank

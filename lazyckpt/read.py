@@ -55,13 +55,14 @@ class _OpenFile:
             self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
         return self._map
 
-    def check_range(self, start: int, stop: int, what: str) -> None:
+    def check_range(self, start: int, stop: int, key: str) -> None:
         # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
         if start < 0 or stop > self.size:
             raise CorruptModelCheckpointError(
                 self.path,
-                f"{what} needs bytes [{start}, {stop}) but the file has {self.size} bytes; "
+                f"key {key!r} needs bytes [{start}, {stop}) but the file has {self.size} bytes; "
                 "it is truncated or its metadata is wrong: copy it again",
+                key=key,
             )
 
     def close(self) -> None:
@@ -109,22 +110,20 @@ class Reader:
 
     # -- public ---------------------------------------------------------------------------
 
-    def view(
-        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, what: str
-    ) -> torch.Tensor | None:
+    def view(self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str) -> torch.Tensor | None:
         """A zero-copy view of ``piece`` when it is one dense range of a mapped file, else None."""
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or piece.numel == 0:
             return None
         region = _region(chunk)
         if not is_dense(piece.sizes, region.strides):
             return None
-        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         self._count(region.path, count * dtype.itemsize)
         flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
         return flat.view(piece.sizes)
 
     def copy(
-        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, what: str
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
     ) -> None:
         """Copy ``piece`` of ``chunk`` (stored as ``dtype``) into its place in ``dst``, the whole
         target box (contiguous, on the CPU, any dtype)."""
@@ -137,18 +136,12 @@ class Reader:
             return
         region = _region(chunk)
         if self.use_mmap:
-            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
             dst_view.copy_(flat.as_strided(piece.sizes, region.strides))
             self._count(region.path, piece.numel * dtype.itemsize)
         else:
-            self._pread(region, dtype, piece, dst_view, what)
-
-    def read_bytes(self, path: Path, start: int, length: int, what: str) -> bytes:
-        """Raw bytes of a file (metadata lookups made while streaming, e.g. DCP chunk headers)."""
-        f = self._open(path)
-        f.check_range(start, start + length, what)
-        return os.pread(f.fd, length, start)
+            self._pread(region, dtype, piece, dst_view, key)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -158,13 +151,13 @@ class Reader:
         dtype: torch.dtype,
         offsets: Sequence[int],
         sizes: Sequence[int],
-        what: str,
+        key: str,
     ) -> tuple[_OpenFile, int, int]:
         """The open file, the byte offset of the piece's first element, and its element span."""
         f = self._open(region.path)
         first = region.byte_offset + dtype.itemsize * element_offset(offsets, region.strides)
         count = span(sizes, region.strides)
-        f.check_range(first, first + count * dtype.itemsize, what)
+        f.check_range(first, first + count * dtype.itemsize, key)
         return f, first, count
 
     def _pread(
@@ -173,9 +166,9 @@ class Reader:
         dtype: torch.dtype,
         piece: Piece,
         dst_view: torch.Tensor,
-        what: str,
+        key: str,
     ) -> None:
-        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, what)
+        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         itemsize = dtype.itemsize
         # Straight into the destination when it holds the source dtype, else via a temporary.
         target = dst_view if dst_view.dtype == dtype else torch.empty(piece.sizes, dtype=dtype)
@@ -183,11 +176,11 @@ class Reader:
         run_bytes = runs.length * itemsize
         needed = piece.numel * itemsize
         if runs.count > 1 and run_bytes < _MIN_RUN_BYTES and count * itemsize <= 2 * needed:
-            read = self._pread_slabs(f, region, dtype, piece, target, first, what)
+            read = self._pread_slabs(f, region, dtype, piece, target, first, key)
         else:
             base = target.data_ptr()
             for src, dst in runs.offsets():
-                _pread_into(f, first + src * itemsize, base + dst * itemsize, run_bytes, what)
+                _pread_into(f, first + src * itemsize, base + dst * itemsize, run_bytes, key)
             read = needed
         self._count(region.path, read)
         if target is not dst_view:
@@ -201,7 +194,7 @@ class Reader:
         piece: Piece,
         target: torch.Tensor,
         first: int,
-        what: str,
+        key: str,
     ) -> int:
         """Read a piece of short rows in slabs along its first dim through a bounce buffer;
         returns the bytes read (gaps between rows included)."""
@@ -216,7 +209,7 @@ class Reader:
             count = (r1 - r0 - 1) * row_step + inner_span
             bounce = torch.empty(count, dtype=dtype)
             _pread_into(
-                f, first + r0 * row_step * itemsize, bounce.data_ptr(), count * itemsize, what
+                f, first + r0 * row_step * itemsize, bounce.data_ptr(), count * itemsize, key
             )
             target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
             read += count * itemsize
@@ -231,7 +224,7 @@ def _region(chunk: Chunk) -> FileRegion:
     return data
 
 
-def _pread_into(f: _OpenFile, offset: int, address: int, nbytes: int, what: str) -> None:
+def _pread_into(f: _OpenFile, offset: int, address: int, nbytes: int, key: str) -> None:
     """Fill ``nbytes`` at ``address`` from ``offset`` of ``f``, failing on a short read."""
     buf = (ctypes.c_char * nbytes).from_address(address)
     view = memoryview(buf).cast("B")
@@ -241,7 +234,8 @@ def _pread_into(f: _OpenFile, offset: int, address: int, nbytes: int, what: str)
         if n == 0:
             raise CorruptModelCheckpointError(
                 f.path,
-                f"{what}: the file ended at byte {offset + done} while reading {nbytes} bytes "
-                f"at {offset}; it is truncated: copy it again",
+                f"key {key!r}: the file ended at byte {offset + done} while reading {nbytes} "
+                f"bytes at {offset}; it is truncated: copy it again",
+                key=key,
             )
         done += n

@@ -362,38 +362,35 @@ class TorchArchive:
             raise CorruptModelCheckpointError(self.path, self.forbidden_message())
         return flat
 
-    def region(self, tensor: StoredTensor, what: str) -> FileRegion:
-        """The file region of ``tensor``, after checking it lies inside its storage record."""
+    def region(self, tensor: StoredTensor, key: str) -> FileRegion:
+        """The file region of ``tensor`` (held by ``key``), after checking it lies inside its
+        storage record."""
+
+        def bad(message: str) -> CorruptModelCheckpointError:
+            return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)
+
         ref = tensor.storage
         found = self.storage_offsets.get(ref.key)
         if found is None:
-            raise CorruptModelCheckpointError(
-                self.path, f"{what}: storage record data/{ref.key} is missing from the zip"
-            )
+            raise bad(f"storage record data/{ref.key} is missing from the zip")
         offset, length = found
         itemsize = ref.dtype.itemsize
         if ref.numel * itemsize > length:
-            raise CorruptModelCheckpointError(
-                self.path,
-                f"{what}: storage record data/{ref.key} has {length} bytes but the pickle declares "
-                f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again",
+            raise bad(
+                f"storage record data/{ref.key} has {length} bytes but the pickle declares "
+                f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again"
             )
         if any(s < 0 for s in tensor.sizes) or any(s < 0 for s in tensor.strides):
-            raise CorruptModelCheckpointError(
-                self.path, f"{what}: negative size or stride {tensor.sizes}/{tensor.strides}"
-            )
+            raise bad(f"negative size or stride {tensor.sizes}/{tensor.strides}")
         if len(tensor.sizes) != len(tensor.strides):
-            raise CorruptModelCheckpointError(
-                self.path, f"{what}: size {tensor.sizes} and stride {tensor.strides} differ in rank"
-            )
+            raise bad(f"size {tensor.sizes} and stride {tensor.strides} differ in rank")
         if (
             tensor.storage_offset < 0
             or tensor.storage_offset + span(tensor.sizes, tensor.strides) > ref.numel
         ):
-            raise CorruptModelCheckpointError(
-                self.path,
-                f"{what}: the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
-                f"{tensor.strides}) reaches past its storage of {ref.numel} elements",
+            raise bad(
+                f"the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
+                f"{tensor.strides}) reaches past its storage of {ref.numel} elements"
             )
         return FileRegion(self.path, offset + tensor.storage_offset * itemsize, tensor.strides)
 
@@ -607,23 +604,26 @@ def flatten_state_dict(obj: Any, path: Path) -> dict[str, StoredTensor]:
 def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], path: Path) -> None:
     for k, v in obj.items():
         if not isinstance(k, str):
-            raise CorruptModelCheckpointError(path, f"key {prefix}{k!r} is not a string")
+            raise CorruptModelCheckpointError(
+                path, f"key {prefix}{k!r} is not a string", key=f"{prefix}{k!r}"
+            )
         key = prefix + k
         if isinstance(v, StoredTensor):
             if key in out:
                 raise CorruptModelCheckpointError(
-                    path, f"key {key!r} appears twice after flattening"
+                    path, f"key {key!r} appears twice after flattening", key=key
                 )
             out[key] = v
         elif isinstance(v, Mapping):
             _flatten(v, key + ".", out, path)
         elif isinstance(v, Unsupported):
             raise CorruptModelCheckpointError(
-                path, f"key {key!r} holds {v.what}, which lazyckpt cannot load; {v.hint}"
+                path, f"key {key!r} holds {v.what}, which lazyckpt cannot load; {v.hint}", key=key
             )
         else:
             raise CorruptModelCheckpointError(
                 path,
                 f"key {key!r} holds a {type(v).__name__}, not a tensor; a state dict may "
                 "only hold tensors (remove it, or wrap the weights under 'model')",
+                key=key,
             )

@@ -1211,3 +1211,22 @@ def test_dcp_metadata_disagrees_with_the_data(dcp_folder: Path, edit: Callable[[
     write_meta(dcp_folder, meta)
     for mmap in (True, False):
         fails(dcp_folder, CORRUPT, (MATRIX,), mmap=mmap)
+
+
+def test_errors_carry_the_key_at_fault(tmp_path: Path) -> None:
+    """``CorruptModelCheckpointError.key`` names the key, for callers that act on it."""
+    torch.save({"good": torch.ones(2), "bad": 3}, tmp_path / "m.pt")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError) as info:
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.pt", {})
+    assert info.value.key == "bad" and info.value.path == tmp_path / "m.pt"
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    for r in range(2):
+        torch.save({"w": torch.full((2, 2), float(r))}, mp / f"consolidated.{r:02d}.pth")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError) as info:
+        list(lazyckpt.get_model_checkpoint_loader().lazy_load(mp, {}))
+    assert info.value.key == "w"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(info.value))
+    assert again.key == "w" and str(again) == str(info.value)

@@ -118,6 +118,7 @@ def build_file_set_index(
                     f"lacks key {missing[0]!r} that {file_set.path.name} places in it"
                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                     + "; the index and the files disagree: download them again",
+                    key=missing[0],
                 )
             keep = set(wanted)
             tensors = [t for t in tensors if t.key in keep]
@@ -127,6 +128,7 @@ def build_file_set_index(
                     path,
                     f"key {t.key!r} is in both {seen[t.key].name} and {path.name}; a folder "
                     "without an index must hold each key once: remove the duplicate file",
+                    key=t.key,
                 )
             seen[t.key] = path
             target = rules.target(t.key)

@@ -158,16 +158,20 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 raise CorruptModelCheckpointError(
-                    meta_path, f"key {fqn!r} has metadata of type {type(md).__name__}"
+                    meta_path, f"key {fqn!r} has metadata of type {type(md).__name__}", key=fqn
                 )
             dtype = getattr(md.properties, "dtype", None)
             shape = _ints(md.size)
             if not isinstance(dtype, torch.dtype) or shape is None or any(s < 0 for s in shape):
                 raise CorruptModelCheckpointError(
-                    meta_path, f"key {fqn!r} has a bad dtype or size ({dtype!r}, {md.size!r})"
+                    meta_path,
+                    f"key {fqn!r} has a bad dtype or size ({dtype!r}, {md.size!r})",
+                    key=fqn,
                 )
             if not isinstance(md.chunks, list):
-                raise CorruptModelCheckpointError(meta_path, f"key {fqn!r} has no chunk list")
+                raise CorruptModelCheckpointError(
+                    meta_path, f"key {fqn!r} has no chunk list", key=fqn
+                )
             chunks = []
             for ch in md.chunks:
                 offsets, sizes = (
@@ -176,7 +180,9 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 )
                 if offsets is None or sizes is None:
                     raise CorruptModelCheckpointError(
-                        meta_path, f"key {fqn!r} has a chunk without integer offsets and sizes"
+                        meta_path,
+                        f"key {fqn!r} has a chunk without integer offsets and sizes",
+                        key=fqn,
                     )
                 info = where.get((fqn, offsets))
                 if info is None:
@@ -184,6 +190,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                         meta_path,
                         f"key {fqn!r}: the chunk at offsets {list(offsets)} has no "
                         "storage entry; the metadata is damaged",
+                        key=fqn,
                     )
                 chunks.append(
                     Chunk(
@@ -220,7 +227,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
         if not isinstance(rel, str) or span is None or min(span) < 0:
             raise CorruptModelCheckpointError(
-                meta_path, f"key {fqn!r} has a malformed storage entry"
+                meta_path, f"key {fqn!r} has a malformed storage entry", key=fqn
             )
         offset, length = span
         if getattr(info, "transform_descriptors", None):
@@ -228,6 +235,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 meta_path,
                 f"key {fqn!r} is stored with transforms {info.transform_descriptors} "
                 "(compression or encryption), which lazyckpt cannot read in place",
+                key=fqn,
             )
         if rel not in files:
             p = member_path(folder, rel, cited_by=meta_path)
@@ -238,6 +246,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 file,
                 f"key {fqn!r} needs bytes [{offset}, {offset + length}) but the file has "
                 f"{size}; it is truncated: copy it again",
+                key=fqn,
             )
         locate = functools.partial(_locate, file, offset, length, fqn, dtype, sizes, restrict)
         return LazyRegion(file, locate)
@@ -257,11 +266,11 @@ def _locate(
         archive = read_torch_archive(file, restrict=restrict, window=(offset, length))
     except CorruptModelCheckpointError as exc:
         raise CorruptModelCheckpointError(
-            file, f"key {fqn!r}: the chunk at byte {offset}: {exc}"
+            file, f"key {fqn!r}: the chunk at byte {offset}: {exc}", key=fqn
         ) from None
     if archive.forbidden:
         raise CorruptModelCheckpointError(
-            file, f"key {fqn!r}: the chunk at byte {offset}: {archive.forbidden_message()}"
+            file, f"key {fqn!r}: the chunk at byte {offset}: {archive.forbidden_message()}", key=fqn
         )
     stored = archive.obj
     if not isinstance(stored, StoredTensor):
@@ -269,11 +278,13 @@ def _locate(
             file,
             f"key {fqn!r}: the chunk at byte {offset} holds a {type(stored).__name__}, "
             "not a tensor",
+            key=fqn,
         )
     if stored.dtype != dtype or stored.sizes != sizes:
         raise CorruptModelCheckpointError(
             file,
             f"key {fqn!r}: the chunk at byte {offset} is {stored.dtype} {list(stored.sizes)} "
             f"but .metadata says {dtype} {list(sizes)}",
+            key=fqn,
         )
-    return archive.region(stored, f"key {fqn!r}")
+    return archive.region(stored, fqn)

@@ -95,6 +95,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                     f,
                     f"holds key {extra[0]!r} that {first_file.name} lacks; the rank files "
                     "come from different checkpoints",
+                    key=extra[0],
                 )
         entries: dict[str, TensorEntry] = {}
         for key in first:
@@ -109,13 +110,14 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                         f,
                         f"lacks key {key!r}, which {first_file.name} holds; every rank file "
                         "must hold every key",
+                        key=key,
                     )
-                region = archive.region(stored, f"key {key!r}")
+                region = archive.region(stored, key)
                 grid.append([Cell(stored.sizes, stored.dtype, region, f.name)])
             try:
                 dtype, shape, copies = assemble_grid(grid, rules.shard_dim(key))
             except PlanError as exc:
-                raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}") from None
+                raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:
                 raise ValueError(f"key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))

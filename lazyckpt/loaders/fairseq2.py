@@ -118,11 +118,12 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                             f,
                             f"key {odd!r} is in only one of {first_file} and {f}; every shard "
                             "of a pipeline stage must hold the same keys",
+                            key=odd,
                         )
             for key in first:
                 if key in owner:
                     raise CorruptModelCheckpointError(
-                        stage, f"key {key!r} is also in pipeline stage {owner[key]}"
+                        stage, f"key {key!r} is also in pipeline stage {owner[key]}", key=key
                     )
                 owner[key] = stage
                 target = rules.target(key)
@@ -133,7 +134,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                         Cell(
                             flat[key].sizes,
                             flat[key].dtype,
-                            archive.region(flat[key], f"key {key!r}"),
+                            archive.region(flat[key], key),
                             str(f.relative_to(path)),
                         )
                         for f, (archive, flat) in zip(row_files, row)
@@ -143,7 +144,9 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                 try:
                     dtype, shape, copies = assemble_grid(cells, rules.shard_dim(key))
                 except PlanError as exc:
-                    raise CorruptModelCheckpointError(stage, f"key {key!r}: {exc}") from None
+                    raise CorruptModelCheckpointError(
+                        stage, f"key {key!r}: {exc}", key=key
+                    ) from None
                 except ValueError as exc:
                     raise ValueError(f"key {key!r}: {exc}") from None
                 add_entry(entries, TensorEntry(target, dtype, shape, copies, key))

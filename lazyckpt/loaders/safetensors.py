@@ -107,7 +107,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     except UnicodeDecodeError:
         raise CorruptModelCheckpointError(path, "header is not UTF-8 text") from None
     except _DuplicateKey as dup:
-        raise CorruptModelCheckpointError(path, f"header lists key {dup.args[0]!r} twice") from None
+        raise CorruptModelCheckpointError(
+            path, f"header lists key {dup.args[0]!r} twice", key=dup.args[0]
+        ) from None
     except json.JSONDecodeError as exc:
         raise CorruptModelCheckpointError(path, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -145,6 +147,7 @@ def _read_file(path: Path) -> list[FileTensor]:
             raise CorruptModelCheckpointError(
                 path,
                 f"key {tensor.key!r} (data_offsets [{begin}, {end}]) {what}; the header is damaged",
+                key=tensor.key,
             )
         cursor = end
         out.append(tensor)
@@ -161,7 +164,7 @@ def _parse_entry(
     path: Path, key: str, info: Any, data_start: int, data_len: int
 ) -> tuple[int, int, FileTensor]:
     def bad(msg: str) -> CorruptModelCheckpointError:
-        return CorruptModelCheckpointError(path, f"key {key!r}: {msg}")
+        return CorruptModelCheckpointError(path, f"key {key!r}: {msg}", key=key)
 
     if not isinstance(info, dict):
         raise bad("entry is not an object with dtype, shape and data_offsets")

@@ -29,7 +29,7 @@ def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
     """The tensors of one torch file, in pickle order, located but not read."""
     archive = read_torch_archive(path, restrict=restrict)
     return [
-        FileTensor(key, t.dtype, t.sizes, archive.region(t, f"key {key!r}"))
+        FileTensor(key, t.dtype, t.sizes, archive.region(t, key))
         for key, t in archive.state_dict().items()
     ]
 
