@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lazyckpt import alloc
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
@@ -29,17 +30,28 @@ def build_tensor(
     *,
     device: torch.device | None = None,
     pool: PinnedPool | None = None,
+    contiguous: bool = False,
 ) -> tuple[torch.Tensor, bool]:
-    """The target tensor of ``plan`` and whether it is a view of a mapped file."""
+    """The target tensor of ``plan`` and whether it is a view of a mapped file.
+
+    A box inside one chunk, with no cast, is a view (strided unless ``contiguous``); anything
+    else is copied into one new buffer."""
     on_cpu = device is None or device.type == "cpu"
     if on_cpu and plan.may_be_view and out_dtype == plan.entry.dtype:
         piece = plan.pieces[0]
         view = reader.view(
-            plan.chunks[piece.chunk], plan.entry.dtype, piece, plan.entry.checkpoint_key
+            plan.chunks[piece.chunk],
+            plan.entry.dtype,
+            piece,
+            plan.entry.checkpoint_key,
+            strided=not contiguous,
         )
         if view is not None:
             return view, True
-    dst = torch.empty(plan.box.sizes, dtype=out_dtype, device=device)
+    if on_cpu:
+        dst = alloc.empty(plan.box.sizes, out_dtype)
+    else:
+        dst = torch.empty(plan.box.sizes, dtype=out_dtype, device=device)
     fill(plan, reader, dst, pool=pool)
     return dst, False
 

@@ -33,7 +33,7 @@ from lazyckpt.load_plan import TensorPlan, plan_entry
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
-from lazyckpt.plan import is_dense, span
+from lazyckpt.plan import span
 from lazyckpt.presets import PRESETS, ShardDimPreset
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -305,13 +305,6 @@ class PlanSummary:
     peak: int
 
 
-def _region_of(plan: TensorPlan) -> FileRegion | None:
-    if not plan.pieces:
-        return None
-    data = plan.chunks[plan.pieces[0].chunk].data
-    return data if isinstance(data, FileRegion) else None
-
-
 def summarize_plans(
     plans: Sequence[TensorPlan],
     *,
@@ -340,14 +333,8 @@ def summarize_plans(
                 if path is not None:
                     verified[path] = verified.get(path, 0) + piece.numel * item
         out = output_dtype(p.entry.dtype, dtype)
-        region = _region_of(p)
-        view = (
-            mmap
-            and p.may_be_view
-            and out == p.entry.dtype
-            and region is not None
-            and is_dense(p.pieces[0].sizes, region.strides)
-        )
+        # A box inside one chunk of a mapped file, not cast, is yielded as a (strided) view.
+        view = mmap and p.may_be_view and out == p.entry.dtype and bool(p.pieces)
         extra = p.nbytes if p.verify else 0  # a replica copy read alongside, to compare
         mem.append(0 if view else p.box.numel * out.itemsize + extra)
         cost.append(0 if p.may_be_view and mmap else p.nbytes)
@@ -452,6 +439,7 @@ def _root(index: CheckpointIndex) -> Path:
 
 
 # -- verify --------------------------------------------------------------------------------
+
 
 def key_of(exc: BaseException) -> str | None:
     """The checkpoint key an error is about, when it is about one."""

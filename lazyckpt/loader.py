@@ -164,7 +164,9 @@ def _stream(
 
         def build(plan: TensorPlan) -> tuple[TensorPlan, torch.Tensor, bool]:
             out = output_dtype(plan.entry.dtype, options.dtype)
-            tensor, is_view = build_tensor(plan, reader, out, device=device, pool=pool)
+            tensor, is_view = build_tensor(
+                plan, reader, out, device=device, pool=pool, contiguous=options.contiguous
+            )
             return plan, tensor, is_view
 
         def cost(plan: TensorPlan) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill
 from lazyckpt.errors import ModelCheckpointError
 from lazyckpt.layout import Layout
@@ -269,6 +270,8 @@ def _destination(key: str, target: _Target, device: torch.device) -> torch.Tenso
             )
         return local.detach()
     if t.is_meta:
+        if device.type == "cpu":
+            return alloc.empty(t.shape, t.dtype)
         return torch.empty(t.shape, dtype=t.dtype, device=device)
     return t.detach()
 

@@ -43,6 +43,10 @@ class ModelCheckpointLoadOptions:
     dtype: torch.dtype | None = None
     """Cast floating-point tensors to this dtype while copying; integer and bool tensors keep
     theirs. ``None`` keeps the checkpoint's dtypes."""
+    contiguous: bool = False
+    """Yield contiguous tensors only. By default a box that lies in one chunk is yielded as a
+    zero-copy view of the mapped file even when it is strided there (a dim-1 shard of a row-major
+    matrix), as ``torch.chunk`` would give it; ``True`` copies such boxes instead."""
     prefetch_bytes: int = 32 * MiB
     """Budget of a background thread that builds the next tensors while the caller works on the
     current one; a tensor larger than the budget is built on demand. 0 turns it off."""
@@ -62,7 +66,7 @@ class ModelCheckpointLoadOptions:
     def __post_init__(self) -> None:
         if self.layout is not None and not isinstance(self.layout, Layout):
             raise ValueError(f"options.layout must be a lazyckpt.Layout, got {self.layout!r}")
-        for name in ("mmap", "restrict", "verify_replicas", "progress"):
+        for name in ("mmap", "restrict", "contiguous", "verify_replicas", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"options.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):

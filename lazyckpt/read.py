@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lazyckpt import alloc
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion
 from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, span
@@ -110,17 +111,23 @@ class Reader:
 
     # -- public ---------------------------------------------------------------------------
 
-    def view(self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str) -> torch.Tensor | None:
-        """A zero-copy view of ``piece`` when it is one dense range of a mapped file, else None."""
+    def view(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, strided: bool = True
+    ) -> torch.Tensor | None:
+        """A zero-copy view of ``piece`` in the mapped file, or None when there is no mapping.
+
+        The view has the strides the file gives (a column slice of a row-major matrix is a
+        strided view, as ``torch.chunk`` would give); ``strided=False`` asks for dense views only.
+        """
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or piece.numel == 0:
             return None
         region = _region(chunk)
-        if not is_dense(piece.sizes, region.strides):
+        if not strided and not is_dense(piece.sizes, region.strides):
             return None
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        self._count(region.path, count * dtype.itemsize)
+        self._count(region.path, piece.numel * dtype.itemsize)
         flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
-        return flat.view(piece.sizes)
+        return flat.as_strided(piece.sizes, region.strides)
 
     def copy(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
@@ -171,7 +178,7 @@ class Reader:
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         itemsize = dtype.itemsize
         # Straight into the destination when it holds the source dtype, else via a temporary.
-        target = dst_view if dst_view.dtype == dtype else torch.empty(piece.sizes, dtype=dtype)
+        target = dst_view if dst_view.dtype == dtype else alloc.empty(piece.sizes, dtype)
         runs = contiguous_runs(piece.sizes, region.strides, tuple(target.stride()))
         run_bytes = runs.length * itemsize
         needed = piece.numel * itemsize

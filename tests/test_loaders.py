@@ -190,3 +190,32 @@ def test_cuda_device_without_gpu_fails_eagerly(tmp_path: Path) -> None:
     opts = lazyckpt.ModelCheckpointLoadOptions(device="cuda")
     with pytest.raises(ValueError, match="CUDA is not available"):
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+
+
+def test_column_shards_are_strided_views_unless_contiguous_is_asked(tmp_path: Path) -> None:
+    full = torch.randn(64, 48)
+    save_file({"w": full}, tmp_path / "w.safetensors")
+    layout = lazyckpt.Layout(tp_size=4, tp_rank=2)
+    stats = lazyckpt.LoadStats()
+    got = load_all(tmp_path / "w.safetensors", {"w": 1}, layout=layout, stats=stats)
+    assert stats.views == 1 and stats.total_bytes_read == full.nbytes // 4
+    loader = lazyckpt.get_model_checkpoint_loader()
+    (_, view), = loader.lazy_load(tmp_path / "w.safetensors", {"w": 1},
+                                  lazyckpt.ModelCheckpointLoadOptions(layout=layout))
+    assert not view.is_contiguous() and view.stride() == (48, 1)
+    assert torch.equal(view, expected(full, 1, layout)) and torch.equal(got["w"], view)
+    stats = lazyckpt.LoadStats()
+    (_, copy), = loader.lazy_load(tmp_path / "w.safetensors", {"w": 1},
+                                  lazyckpt.ModelCheckpointLoadOptions(layout=layout, contiguous=True,
+                                                                      stats=stats))
+    assert copy.is_contiguous() and stats.views == 0 and torch.equal(copy, view)
+
+
+def test_large_buffers_are_mappings_released_with_the_tensor() -> None:
+    from lazyckpt import alloc
+
+    small = alloc.empty((10, 10), torch.float32)
+    big = alloc.empty((1024, 1024), torch.bfloat16)  # 2 MiB: a huge-page advised mapping
+    big.fill_(1.5)
+    assert small.shape == (10, 10) and big.shape == (1024, 1024) and big.is_contiguous()
+    assert float(big.float().sum()) == 1.5 * 1024 * 1024
