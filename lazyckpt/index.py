@@ -10,6 +10,7 @@ tensor already in memory (``reshard_tensor``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,7 @@ class Chunk:
     sizes: tuple[int, ...]
     data: ChunkData
 
-    @property
+    @functools.cached_property
     def path(self) -> Path | None:
         """The file holding the chunk (``None`` for an in-memory tensor)."""
         return None if isinstance(self.data, torch.Tensor) else self.data.path

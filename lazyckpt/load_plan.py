@@ -7,7 +7,8 @@ called, not an hour into the stream.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,22 +87,45 @@ def _where(index_path: Path, entry: TensorEntry) -> Path:
     return next(iter(paths)) if len(paths) == 1 else index_path
 
 
+Geometry = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+"""A copy's chunks as ``(offsets, sizes)`` pairs: all the planner needs to know of them."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiling_error(shape: tuple[int, ...], geometry: Geometry) -> str | None:
+    try:
+        check_tiling(shape, [Box(o, s) for o, s in geometry])
+    except PlanError as exc:
+        return str(exc)
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(box: Box, geometry: Geometry) -> tuple[Piece, ...]:
+    return tuple(plan_pieces(box, [Box(o, s) for o, s in geometry]))
+
+
 def plan_entry(
     entry: TensorEntry,
     shard_dims: Mapping[str, int],
     layout: Layout,
-    where: Path,
+    where: Path | Callable[[], Path],
     box: Box | None = None,
 ) -> tuple[int | None, Box, list[tuple[Piece, ...]]]:
     """Shard dim, target box and the pieces of every copy of ``entry``; checks the tilings.
 
-    ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box)."""
-    if any(s > _MAX_DIM for s in entry.shape):
-        raise CorruptModelCheckpointError(
-            where,
-            f"key {entry.display_key}: shape {entry.shape} has a dim past 2**63",
-            key=entry.checkpoint_key,
+    ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box). Layers of
+    a model repeat the same shapes and replicas repeat one geometry, so tilings and pieces are
+    computed once per distinct geometry (pure functions, cached)."""
+
+    def fail(message: str) -> CorruptModelCheckpointError:
+        path = where() if callable(where) else where
+        return CorruptModelCheckpointError(
+            path, f"key {entry.display_key}: {message}", key=entry.checkpoint_key
         )
+
+    if any(s > _MAX_DIM for s in entry.shape):
+        raise fail(f"shape {entry.shape} has a dim past 2**63")
     dim = shard_dims.get(entry.key)
     if dim is not None:
         try:
@@ -111,13 +135,11 @@ def plan_entry(
                 f"shard_dims[{entry.key!r}] = {dim} is out of range for its {len(entry.shape)}-D "
                 f"tensor of shape {entry.shape}; fix the shard dims"
             ) from None
-    for copy in entry.copies:
-        try:
-            check_tiling(entry.shape, [Box(c.offsets, c.sizes) for c in copy])
-        except PlanError as exc:
-            raise CorruptModelCheckpointError(
-                where, f"key {entry.display_key}: {exc}", key=entry.checkpoint_key
-            ) from None
+    geometries = [tuple((c.offsets, c.sizes) for c in copy) for copy in entry.copies]
+    for geometry in dict.fromkeys(geometries):
+        error = _tiling_error(entry.shape, geometry)
+        if error is not None:
+            raise fail(error)
     if box is None:
         box = target_box(
             entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank
@@ -126,10 +148,7 @@ def plan_entry(
         o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, entry.shape)
     ):
         raise ValueError(f"key {entry.display_key}: box {box} lies outside shape {entry.shape}")
-    pieces = [
-        tuple(plan_pieces(box, [Box(c.offsets, c.sizes) for c in copy])) for copy in entry.copies
-    ]
-    return dim, box, pieces
+    return dim, box, [_pieces(box, geometry) for geometry in geometries]
 
 
 def plan_load(
@@ -152,7 +171,8 @@ def plan_load(
     used: set[Path] = set()
     for entry in index:
         own = None if boxes is None else boxes.get(entry.key)
-        dim, box, pieces = plan_entry(entry, shard_dims, layout, _where(index.path, entry), own)
+        where = functools.partial(_where, index.path, entry)
+        dim, box, pieces = plan_entry(entry, shard_dims, layout, where, own)
         planned.append((entry, dim, box, pieces))
         if len(entry.copies) == 1:
             used |= _files(entry.copies[0], pieces[0])

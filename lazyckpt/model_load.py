@@ -105,22 +105,37 @@ def _targets(model: nn.Module) -> dict[str, _Target]:
     return out
 
 
-def _box(name: str, target: _Target) -> Box:
-    """The box of the global tensor that this process holds for ``target``."""
+def _local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard, sharing its storage (without an autograd node per call)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
+    """The box of the global tensor that this process holds for ``target``.
+
+    Layers repeat shapes and placements, so boxes are cached by (shape, mesh, placements):
+    torch's ``compute_local_shape_and_global_offset`` is slow enough to show in a load."""
     shape = target.global_shape
     if not target.is_dtensor:
         return Box((0,) * len(shape), shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     t: Any = target.tensor
-    local_shape, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
-    local = t.to_local()
-    if tuple(local.shape) != tuple(local_shape):
+    cache_key = (shape, t.device_mesh, tuple(t.placements))
+    box = cache.get(cache_key)
+    if box is None:
+        local_shape, offset = compute_local_shape_and_global_offset(
+            shape, t.device_mesh, t.placements
+        )
+        box = cache[cache_key] = Box(tuple(offset), tuple(local_shape))
+    local = _local(t)
+    if tuple(local.shape) != box.sizes:
         raise ValueError(
             f"{name}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
-            f"{t.placements} give {tuple(local_shape)}"
+            f"{t.placements} give {box.sizes}"
         )
-    return Box(tuple(offset), tuple(local_shape))
+    return box
 
 
 def infer_shard_dims(
@@ -218,7 +233,8 @@ def load_into(
             "common keys, or options.key_map to rename",
             report,
         )
-    boxes = {key: _box(key, targets[key]) for key in index.entries}
+    box_cache: dict[tuple[Any, ...], Box] = {}
+    boxes = {key: _box(key, targets[key], box_cache) for key in index.entries}
     plans = plan_load(
         index,
         shard_dims,
@@ -262,7 +278,7 @@ def _destination(key: str, target: _Target, device: torch.device) -> torch.Tenso
     """The tensor to write ``key``'s box into: the target's own storage, or a new one for meta."""
     t: Any = target.tensor
     if target.is_dtensor:
-        local = t.to_local()
+        local = _local(t)
         if local.is_meta:
             raise ValueError(
                 f"{key} is a DTensor on the meta device; call model.to_empty(device=...) before "

@@ -102,7 +102,8 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The common box of ``a`` and ``b`` (``None`` when it is empty)."""
     offsets, sizes = [], []
     for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        lo = ao if ao > bo else bo
+        hi = ao + asz if ao + asz < bo + bsz else bo + bsz
         if hi <= lo:
             return None
         offsets.append(lo)

@@ -35,23 +35,27 @@ def prefetched(
     cost: Callable[[T], int],
     budget: int,
 ) -> Iterator[R]:
-    """``build(item)`` for each item in order; with ``budget > 0`` built ahead on a thread.
+    """``build(item)`` for each item in order; with ``budget > 0``, items that cost memory are
+    built ahead on a thread.
 
-    An exception from ``build`` is raised in the caller at the item that failed. Closing the
-    iterator early stops the worker before it builds anything more.
+    Items of cost 0 (zero-copy views) are built by the caller when their turn comes: handing
+    them over between threads would cost more than building them. An exception from ``build``
+    is raised in the caller at the item that failed. Closing the iterator early stops the
+    worker before it builds anything more.
     """
-    if budget <= 0:
+    costs = [cost(item) for item in items]
+    heavy = [item for item, c in zip(items, costs) if c > 0]
+    if budget <= 0 or not heavy:
         for item in items:
             yield build(item)
         return
 
     ready: deque[_Slot[R]] = deque()
     cond = threading.Condition()
-    state = {"held": 0, "stop": False, "done": False}
+    state = {"held": 0, "stop": False}
 
     def work() -> None:
-        for item in items:
-            c = cost(item)
+        for item, c in zip(heavy, (c for c in costs if c > 0)):
             with cond:
                 while not state["stop"] and ready and state["held"] + c > budget:
                     cond.wait()
@@ -68,14 +72,14 @@ def prefetched(
                 cond.notify_all()
             if slot.error is not None:
                 return
-        with cond:
-            state["done"] = True
-            cond.notify_all()
 
     worker = threading.Thread(target=work, name="lazyckpt-prefetch", daemon=True)
     worker.start()
     try:
-        for _ in range(len(items)):
+        for item, c in zip(items, costs):
+            if c == 0:
+                yield build(item)
+                continue
             with cond:
                 while not ready:
                     cond.wait()

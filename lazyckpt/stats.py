@@ -16,8 +16,23 @@ from tqdm.auto import tqdm
 __all__ = ["LoadStats", "byte_bar"]
 
 
-def byte_bar(total: int, desc: str, *, enabled: bool) -> tqdm:
+class _NoBar:
+    """Stands in for a disabled bar without tqdm's per-bar bookkeeping."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def byte_bar(total: int, desc: str, *, enabled: bool) -> tqdm | _NoBar:
     """A progress bar in bytes (with bytes/s) on stderr; a no-op when not ``enabled``."""
+    if not enabled:
+        return _NoBar()
     return tqdm(
         total=total,
         unit="B",

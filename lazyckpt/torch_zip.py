@@ -44,6 +44,8 @@ __all__ = [
 ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 30
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+_LOCAL_GUESS = 256
+"""Bytes read past a local header in the same call: its name and padding fit in most files."""
 
 
 @dataclass(frozen=True)
@@ -136,20 +138,22 @@ class _TensorType:
 
 
 def _as_sizes(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise _PickleError(f"tensor {what} {value!r} is not a tuple of ints")
+    # Runs once per tensor of every file indexed: plain loops, no generators.
+    if type(value) is not tuple and type(value) is not list and not isinstance(value, tuple):
+        raise _PickleError(f"tensor {what} {value!r:.80} is not a tuple of ints")
+    for v in value:
+        if type(v) is not int:
+            raise _PickleError(f"tensor {what} {value!r:.80} is not a tuple of ints")
     return tuple(value)
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> Any:
-    if isinstance(storage, Unsupported):
-        return storage
-    if not isinstance(storage, _StorageRef):
+    if type(storage) is not _StorageRef:
+        if isinstance(storage, Unsupported):
+            return storage
         raise _PickleError(f"tensor storage is {type(storage).__name__}, not a stored record")
-    if not isinstance(storage_offset, int) or isinstance(storage_offset, bool):
-        raise _PickleError(f"tensor storage offset {storage_offset!r} is not an int")
+    if type(storage_offset) is not int:
+        raise _PickleError(f"tensor storage offset {storage_offset!r:.80} is not an int")
     return StoredTensor(
         storage, storage_offset, _as_sizes(size, "size"), _as_sizes(stride, "stride")
     )
@@ -522,10 +526,13 @@ def _record_span(
             f"zip record {name}: its header offset {info.header_offset} lies outside the "
             f"{length}-byte archive; the zip directory is damaged",
         )
-    header = os.pread(fd, _LOCAL_HEADER.size, start + info.header_offset)
-    fields = _LOCAL_HEADER.unpack(header)
+    # One read usually covers header, name and extra field (torch pads records to 64 bytes).
+    head = os.pread(fd, _LOCAL_HEADER.size + _LOCAL_GUESS, start + info.header_offset)
+    fields = _LOCAL_HEADER.unpack_from(head)
     name_len, extra_len = fields[9], fields[10]
-    rest = os.pread(fd, name_len + extra_len, start + info.header_offset + _LOCAL_HEADER.size)
+    rest = head[_LOCAL_HEADER.size : _LOCAL_HEADER.size + name_len + extra_len]
+    if len(rest) < name_len + extra_len:
+        rest = os.pread(fd, name_len + extra_len, start + info.header_offset + _LOCAL_HEADER.size)
     if fields[0] != ZIP_MAGIC or rest[:name_len] != info.orig_filename.encode("utf-8"):
         raise CorruptModelCheckpointError(
             path,
