@@ -22,6 +22,9 @@ class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
 
+    def set_description(self, desc: str, refresh: bool = True) -> None:
+        pass
+
     def __enter__(self) -> _NoBar:
         return self
 
