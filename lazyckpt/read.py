@@ -185,9 +185,12 @@ class Reader:
         if runs.count > 1 and run_bytes < _MIN_RUN_BYTES and count * itemsize <= 2 * needed:
             read = self._pread_slabs(f, region, dtype, piece, target, first, key)
         else:
-            base = target.data_ptr()
+            # One memoryview over the destination's span; each run is a slice of it.
+            dst_span = span(piece.sizes, tuple(target.stride())) * itemsize
+            memory = _memory(target.data_ptr(), dst_span)
             for src, dst in runs.offsets():
-                _pread_into(f, first + src * itemsize, base + dst * itemsize, run_bytes, key)
+                at = dst * itemsize
+                _pread_into(f, first + src * itemsize, memory[at : at + run_bytes], key)
             read = needed
         self._count(region.path, read)
         if target is not dst_view:
@@ -215,9 +218,8 @@ class Reader:
             r1 = min(rows, r0 + per_slab)
             count = (r1 - r0 - 1) * row_step + inner_span
             bounce = torch.empty(count, dtype=dtype)
-            _pread_into(
-                f, first + r0 * row_step * itemsize, bounce.data_ptr(), count * itemsize, key
-            )
+            memory = _memory(bounce.data_ptr(), count * itemsize)
+            _pread_into(f, first + r0 * row_step * itemsize, memory, key)
             target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
             read += count * itemsize
         return read
@@ -231,10 +233,14 @@ def _region(chunk: Chunk) -> FileRegion:
     return data
 
 
-def _pread_into(f: _OpenFile, offset: int, address: int, nbytes: int, key: str) -> None:
-    """Fill ``nbytes`` at ``address`` from ``offset`` of ``f``, failing on a short read."""
-    buf = (ctypes.c_char * nbytes).from_address(address)
-    view = memoryview(buf).cast("B")
+def _memory(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of tensor memory (the tensor must outlive it)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _pread_into(f: _OpenFile, offset: int, view: memoryview, key: str) -> None:
+    """Fill ``view`` from ``offset`` of ``f``, failing on a short read."""
+    nbytes = len(view)
     done = 0
     while done < nbytes:
         n = os.preadv(f.fd, [view[done:]], offset + done)
