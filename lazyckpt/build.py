@@ -13,7 +13,7 @@ from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
 
-__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype"]
+__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "same_bits"]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -91,7 +91,7 @@ def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> 
         _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, key)
         if reader.stats is not None:
             reader.stats.add_verified(other.numel() * src_dtype.itemsize)
-        if not _same_bits(first, other):
+        if not same_bits(first, other):
             a = plan.chunks[plan.pieces[0].chunk].path if plan.pieces else None
             b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None
             raise CorruptModelCheckpointError(
@@ -115,9 +115,21 @@ def _fill(
         reader.copy(chunks[piece.chunk], src_dtype, piece, dst, key)  # type: ignore[arg-type]
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads and -0.0 included), unlike ``torch.equal`` on floats."""
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and -0.0 included, unlike ``torch.equal`` on floats),
+    for tensors of any strides, without copying either side."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = _BITS.get(a.element_size())
+    if as_int is None:  # 16-byte complex: compare the raw bytes of dense copies
+        return torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    return torch.equal(a.view(as_int), b.view(as_int))
 
 
 class PinnedPool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lazyckpt.build import same_bits
 from lazyckpt.cli import human, summarize_plans
 from lazyckpt.layout import Layout
 from lazyckpt.loaders import detect_loader, get_model_checkpoint_loader
@@ -109,17 +110,6 @@ def expected_part(full: torch.Tensor, dim: int | None, layout: Layout) -> torch.
     return t
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads and -0.0 too) without copying either side."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    as_int = _BITS[a.element_size()]
-    return torch.equal(a.view(as_int), b.view(as_int))
-
-
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -189,7 +179,7 @@ def _run(folder: Path, *, as_json: bool, progress: bool) -> int:
             with peak_rss_growth() as peak:
                 for key, tensor in loader.lazy_load(folder, dims, options):
                     want = expected_part(full[key], dims.get(key), layout)
-                    if not _same_bits(tensor, want):
+                    if not same_bits(tensor, want):
                         mismatches.append(f"{name} {layout}: key {key!r} differs from torch.chunk")
                     if layout.tp_rank == 0 and layout.dp_rank == 0:
                         shapes.setdefault(key, {})[name] = tuple(tensor.shape)

@@ -1,0 +1,74 @@
+"""Run one benchmark row in this process, for a profiler.
+
+    python benchmarks/bench_load.py --dir /tmp/ck --keep --only nothing   # write and keep files
+    py-spy record --native -o prof.svg -- \\
+        python benchmarks/_profile.py --dir /tmp/ck --scenario tp2-r0 --fmt mp8 --loader lazyckpt
+    python benchmarks/_profile.py ... --pyinstrument
+
+The row is prepared once and run ``--runs`` times (first run included), printing each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _ckpt
+import _runner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", type=Path, required=True, help="a --keep'd bench_load.py --dir")
+    ap.add_argument("--scenario", default="unsharded")
+    ap.add_argument("--fmt", default="mp8")
+    ap.add_argument("--loader", default="lazyckpt")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pyinstrument", action="store_true")
+    args = ap.parse_args()
+    stamps = sorted(args.dir.glob("ckpt-*.json"))
+    if not stamps:
+        sys.exit(f"{args.dir} holds no kept checkpoint: run bench_load.py --dir {args.dir} --keep")
+    saved = json.loads(stamps[-1].read_text())
+    dim, layers = (int(x) for x in stamps[-1].stem.split("-")[1:3])
+    cfg = next(
+        _ckpt.LlamaConfig(n_layers=layers, **w)
+        for w in (_ckpt._LARGE, _ckpt._SMALL)
+        if w["dim"] == dim
+    )
+    sc = next(s for s in _ckpt.SCENARIOS if s.name == args.scenario)
+    spec = {
+        "scenario": sc.__dict__,
+        "fmt": args.fmt,
+        "loader": args.loader,
+        "cfg": _ckpt.config_dict(cfg),
+        "paths": saved["paths"],
+    }
+    ctx = _runner.Ctx(spec)
+    run = _runner.PREPARERS[args.loader](ctx)
+    profiler = None
+    if args.pyinstrument:
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.0005)
+        profiler.start()
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        out = run()
+        dt = time.perf_counter() - t0
+        print(
+            f"{args.scenario} {args.fmt} {args.loader}: {dt:.3f} s, "
+            f"{ctx.delivered / dt / 1e9:.2f} GB/s, read {out['bytes_read'] / 1e9:.3f} GB"
+        )
+    if profiler is not None:
+        profiler.stop()
+        print(profiler.output_text(unicode=False, color=False, show_all=False))
+
+
+if __name__ == "__main__":
+    main()
