@@ -4,8 +4,9 @@ Two ways to reach the bytes, picked by ``ModelCheckpointLoadOptions.mmap``:
 
 * **mmap** (default): each file is mapped once, copy-on-write (``MAP_PRIVATE``), and a piece is
   one strided ``Tensor.copy_`` from a view of the mapping, which touches only the pages of the
-  piece. When the target box is one dense range of one file and no cast is asked, the view
-  itself is yielded: zero copies, and writing to it never reaches the file.
+  piece. When the target box lies in one chunk and no cast is asked, the view itself is yielded
+  (strided where the file stores it so, like ``torch.chunk``): zero copies, and writing to it
+  never reaches the file.
 * **pread**: contiguous runs are read with ``os.preadv`` straight into the destination's memory;
   rows too short to be worth a system call each are read in slabs through a bounce buffer when
   that at most doubles the bytes read. Suits network filesystems, where mapping is slow.
