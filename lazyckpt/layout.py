@@ -44,11 +44,6 @@ class Layout:
             if not 0 <= r < n:
                 raise ValueError(f"Layout.{rank} must be in [0, {size}={n}), got {r}")
 
-    @property
-    def is_trivial(self) -> bool:
-        """True when every rank receives whole tensors."""
-        return self.tp_size == 1 and self.dp_size == 1
-
     def __str__(self) -> str:
         return f"tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}"
 

@@ -43,10 +43,6 @@ class Box:
             n *= s
         return n
 
-    @property
-    def stops(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 

@@ -46,7 +46,6 @@ FAIRSCALE = FairscaleCheckpointLoader()
 FAIRSEQ2 = Fairseq2CheckpointLoader()
 DCP = DcpCheckpointLoader()
 
-LOADERS: tuple[IndexedCheckpointLoader, ...] = (DCP, FAIRSCALE, FAIRSEQ2, SAFETENSORS, TORCH)
 _SETS = (DCP, FAIRSCALE, FAIRSEQ2)
 
 
@@ -136,10 +135,6 @@ class DelegatingCheckpointLoader(ModelCheckpointLoader):
         except (FileNotFoundError, UnknownCheckpointFormatError):
             return False
         return True
-
-    @staticmethod
-    def loader_for(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
-        return detect_loader(Path(path))
 
 
 def get_model_checkpoint_loader() -> ModelCheckpointLoader:
