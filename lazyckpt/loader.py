@@ -170,7 +170,15 @@ def _stream(
             return plan, tensor, is_view
 
         def cost(plan: TensorPlan) -> int:
-            return 0 if plan.may_be_view and options.mmap else plan.nbytes
+            """Anonymous memory the tensor will take: none for a view of the mapping."""
+            view = (
+                plan.may_be_view
+                and options.mmap
+                and not options.contiguous
+                and device.type == "cpu"
+                and output_dtype(plan.entry.dtype, options.dtype) == plan.entry.dtype
+            )
+            return 0 if view else plan.nbytes
 
         for plan, tensor, is_view in prefetched(plans, build, cost, options.prefetch_bytes):
             stats.add_delivered(plan.nbytes, view=is_view)
