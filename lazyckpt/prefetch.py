@@ -44,7 +44,7 @@ def prefetched(
     worker before it builds anything more.
     """
     costs = [cost(item) for item in items]
-    heavy = [item for item, c in zip(items, costs) if c > 0]
+    heavy = [(item, c) for item, c in zip(items, costs) if c > 0]
     if budget <= 0 or not heavy:
         for item in items:
             yield build(item)
@@ -55,7 +55,7 @@ def prefetched(
     state = {"held": 0, "stop": False}
 
     def work() -> None:
-        for item, c in zip(heavy, (c for c in costs if c > 0)):
+        for item, c in heavy:
             with cond:
                 while not state["stop"] and ready and state["held"] + c > budget:
                     cond.wait()

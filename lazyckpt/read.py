@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,12 +78,17 @@ class _OpenFile:
 
 
 class Reader:
-    """Copies pieces of chunks into destinations, keeping files open for one load."""
+    """Copies pieces of chunks into destinations, keeping files open for one load.
+
+    Safe to share between the prefetch thread and the caller, who builds zero-copy views
+    itself: opening a file and mapping it happen under a lock, the rest is per call.
+    """
 
     def __init__(self, *, use_mmap: bool = True, stats: LoadStats | None = None) -> None:
         self.use_mmap = use_mmap
         self.stats = stats
         self._files: dict[Path, _OpenFile] = {}
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Reader:
         return self
@@ -98,13 +104,20 @@ class Reader:
     def _open(self, path: Path) -> _OpenFile:
         f = self._files.get(path)
         if f is None:
-            try:
-                f = self._files[path] = _OpenFile(path)
-            except FileNotFoundError as exc:
-                raise CorruptModelCheckpointError(
-                    path, "the file is gone: it was listed when the checkpoint was indexed"
-                ) from exc
+            with self._lock:
+                f = self._files.get(path)
+                if f is None:
+                    try:
+                        f = self._files[path] = _OpenFile(path)
+                    except FileNotFoundError as exc:
+                        raise CorruptModelCheckpointError(
+                            path, "the file is gone: it was listed when the checkpoint was indexed"
+                        ) from exc
         return f
+
+    def _mapping(self, f: _OpenFile) -> mmap.mmap:
+        with self._lock:
+            return f.mapping()
 
     def _count(self, path: Path, nbytes: int) -> None:
         if self.stats is not None:
@@ -127,7 +140,7 @@ class Reader:
             return None
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         self._count(region.path, piece.numel * dtype.itemsize)
-        flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
+        flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
         return flat.as_strided(piece.sizes, region.strides)
 
     def copy(
@@ -145,7 +158,7 @@ class Reader:
         region = _region(chunk)
         if self.use_mmap:
             f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=first)
+            flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
             dst_view.copy_(flat.as_strided(piece.sizes, region.strides))
             self._count(region.path, piece.numel * dtype.itemsize)
         else:
