@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import final
 
@@ -52,20 +52,40 @@ class ModelCheckpointLoader(ABC):
         """True when this loader recognises ``path`` (reads file names and magic bytes only)."""
 
 
+ShardDimInference = Callable[[str, Sequence[tuple[int, ...]]], "int | None"]
+"""``(key, each TP rank's shard shape) -> dim``: how ``load_into`` reads a model-parallel
+source's shard dims off its model while the index is built."""
+
+
 class KeyRules:
     """Key renaming and shard-dim lookup as a format loader sees them: by checkpoint key."""
 
-    def __init__(self, shard_dims: Mapping[str, int], key_map: KeyMap | None) -> None:
+    def __init__(
+        self,
+        shard_dims: Mapping[str, int],
+        key_map: KeyMap | None,
+        infer: ShardDimInference | None = None,
+    ) -> None:
         self.shard_dims = shard_dims
         self.key_map = key_map
+        self.infer = infer
 
     def target(self, source_key: str) -> str | None:
         """The key's name after ``key_map`` (``None``: dropped)."""
         return apply_key_map(self.key_map, source_key)
 
-    def shard_dim(self, source_key: str) -> int | None:
+    def shard_dim(
+        self, source_key: str, shard_shapes: Sequence[tuple[int, ...]] | None = None
+    ) -> int | None:
+        """The key's TP dim: from ``shard_dims``, else inferred from ``shard_shapes`` (the shape
+        of the key in each TP rank's shard) when the rules carry an inference."""
         target = self.target(source_key)
-        return None if target is None else self.shard_dims.get(target)
+        if target is None:
+            return None
+        dim = self.shard_dims.get(target)
+        if dim is None and self.infer is not None and shard_shapes is not None:
+            dim = self.infer(target, shard_shapes)
+        return dim
 
 
 def check_path(path: str | os.PathLike[str]) -> Path:
@@ -93,29 +113,27 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
     ) -> CheckpointIndex:
         """Read metadata only and index every kept key under its target name."""
 
-    def source_shard_shapes(
-        self, path: Path, options: ModelCheckpointLoadOptions
-    ) -> dict[str, list[tuple[int, ...]]] | None:
-        """For model-parallel sources: each checkpoint key's shape in each TP rank's shard, so
-        that ``load_into`` can infer shard dims from a model's full shapes. ``None`` for sources
-        that store global shapes."""
-        return None
-
     @final
     def index(
         self,
         path: str | os.PathLike[str],
         shard_dims: Mapping[str, int] | None = None,
         options: ModelCheckpointLoadOptions | None = None,
+        *,
+        infer_shard_dim: ShardDimInference | None = None,
     ) -> CheckpointIndex:
-        """The checkpoint's index (metadata only): what ``inspect`` shows."""
+        """The checkpoint's index (metadata only): what ``inspect`` shows.
+
+        ``infer_shard_dim`` decides the dim of a model-parallel key missing from ``shard_dims``
+        from its shard shapes (formats that store global shapes never ask)."""
         options = options or ModelCheckpointLoadOptions()
         shard_dims = {} if shard_dims is None else shard_dims
         check_shard_dims(shard_dims)
         p = check_path(path)
         if not self.supports_path(p):
             raise CorruptModelCheckpointError(p, f"is not a {self.name} checkpoint")
-        return self.build_index(p, KeyRules(shard_dims, options.key_map), options)
+        rules = KeyRules(shard_dims, options.key_map, infer_shard_dim)
+        return self.build_index(p, rules, options)
 
     @final
     def plan(

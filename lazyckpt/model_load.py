@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill
 from lazyckpt.errors import ModelCheckpointError
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import check_shard_dims, plan_load
+from lazyckpt.load_plan import plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.plan import Box
@@ -138,36 +137,30 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     return box
 
 
-def infer_shard_dims(
-    shapes: Mapping[str, list[tuple[int, ...]]], full: Mapping[str, tuple[int, ...]]
-) -> dict[str, int]:
-    """Each key's TP dim, read off the model's full shapes and the source's per-rank shapes.
+def infer_shard_dim(
+    key: str, per_rank: Sequence[tuple[int, ...]], want: tuple[int, ...]
+) -> int | None:
+    """A key's TP dim, read off the model's full shape and the source's per-rank shapes.
 
-    A key whose shards all have the full shape is a replica. Otherwise exactly one dim must add
-    up to the full size with the others equal; anything else is refused.
+    A key whose shards all have the full shape is a replica (``None``). Otherwise exactly one
+    dim must add up to the full size with the others equal; anything else is refused.
     """
-    dims = {}
-    for key, per_rank in shapes.items():
-        if key not in full:
-            continue
-        want = full[key]
-        if all(s == want for s in per_rank):
-            continue
-        candidates = [
-            d
-            for d in range(len(want))
-            if all(len(s) == len(want) for s in per_rank)
-            and sum(s[d] for s in per_rank) == want[d]
-            and all(s[e] == want[e] for s in per_rank for e in range(len(want)) if e != d)
-        ]
-        if len(candidates) != 1:
-            raise ValueError(
-                f"cannot infer the shard dim of {key!r}: the model's shape is {want} and the "
-                f"source's shards are {per_rank}; pass shard_dims (lazyckpt.get_shard_dims(model) "
-                "or a preset from lazyckpt.presets)"
-            )
-        dims[key] = candidates[0]
-    return dims
+    if all(s == want for s in per_rank):
+        return None
+    candidates = [
+        d
+        for d in range(len(want))
+        if all(len(s) == len(want) for s in per_rank)
+        and sum(s[d] for s in per_rank) == want[d]
+        and all(s[e] == want[e] for s in per_rank for e in range(len(want)) if e != d)
+    ]
+    if len(candidates) != 1:
+        raise ValueError(
+            f"cannot infer the shard dim of {key!r}: the model's shape is {want} and the "
+            f"source's shards are {list(per_rank)}; pass shard_dims (lazyckpt.get_shard_dims(model) "
+            "or a preset from lazyckpt.presets)"
+        )
+    return candidates[0]
 
 
 def load_into(
@@ -191,27 +184,36 @@ def load_into(
     loader = detect_loader(path)
     report = LoadReport(stats=options.stats if options.stats is not None else LoadStats())
 
-    def model_key(source_key: str) -> str | None:
-        return apply_key_map(options.key_map, source_key)
+    # Model-parallel sources do not record how keys are split: without shard_dims, each key's
+    # dim is read off the model's full shape while the index is built (one metadata pass).
+    inferred: dict[str, int] = {}
 
-    if shard_dims is None:
-        shapes = loader.source_shard_shapes(Path(path), options) or {}
-        renamed = {k: s for k, s in ((model_key(k), s) for k, s in shapes.items()) if k is not None}
-        full = {k: t.global_shape for k, t in targets.items()}
-        shard_dims = infer_shard_dims(renamed, full)
-    check_shard_dims(shard_dims)
-    report.shard_dims = dict(shard_dims)
+    def infer(key: str, per_rank: Sequence[tuple[int, ...]]) -> int | None:
+        target = targets.get(key)
+        dim = None if target is None else infer_shard_dim(key, per_rank, target.global_shape)
+        if dim is not None:
+            inferred[key] = dim
+        return dim
+
+    given: Mapping[str, int] = {} if shard_dims is None else shard_dims
 
     unexpected: list[str] = []
 
     def route(source_key: str) -> str | None:
-        key = model_key(source_key)
+        key = apply_key_map(options.key_map, source_key)
         if key is not None and key not in targets:
             unexpected.append(key)
             return None
         return key
 
-    index = loader.index(path, shard_dims, dataclasses.replace(options, key_map=route))
+    index = loader.index(
+        path,
+        given,
+        dataclasses.replace(options, key_map=route),
+        infer_shard_dim=infer if shard_dims is None else None,
+    )
+    shard_dims = {**given, **inferred}
+    report.shard_dims = dict(shard_dims)
     report.unexpected = unexpected
     mismatched = [
         f"{key}: checkpoint {entry.shape}, model {targets[key].global_shape}"

@@ -71,17 +71,6 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
         p = Path(path)
         return p.is_dir() and any(FILE_RE.fullmatch(n) for n in os.listdir(p))
 
-    def source_shard_shapes(
-        self, path: Path, options: ModelCheckpointLoadOptions
-    ) -> dict[str, list[tuple[int, ...]]] | None:
-        if not path.is_dir():
-            return None
-        shapes: dict[str, list[tuple[int, ...]]] = {}
-        for _, _, flat in _read_ranks(rank_files(path), options.restrict):
-            for key, stored in flat.items():
-                shapes.setdefault(key, []).append(stored.sizes)
-        return shapes
-
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
@@ -115,7 +104,8 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 region = archive.region(stored, key)
                 grid.append([Cell(stored.sizes, stored.dtype, region, f.name)])
             try:
-                dtype, shape, copies = assemble_grid(grid, rules.shard_dim(key))
+                dim = rules.shard_dim(key, [row[0].shape for row in grid])
+                dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:

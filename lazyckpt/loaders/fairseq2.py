@@ -71,25 +71,6 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         names = os.listdir(p)
         return any((_PP.fullmatch(n) or _TP.fullmatch(n)) and (p / n).is_dir() for n in names)
 
-    def source_shard_shapes(
-        self, path: Path, options: ModelCheckpointLoadOptions
-    ) -> dict[str, list[tuple[int, ...]]] | None:
-        shapes: dict[str, list[tuple[int, ...]]] = {}
-        for stage in self._stages(path):
-            for tp in _numbered(stage, _TP, True):
-                local: dict[str, tuple[int, ...]] = {}
-                for f in _numbered(tp, _SDP, False):
-                    for key, stored in self._read(f, options.restrict)[1].items():
-                        old = local.get(key)
-                        local[key] = (
-                            stored.sizes
-                            if old is None or not old
-                            else (old[0] + stored.sizes[0], *old[1:])
-                        )
-                for key, shape in local.items():
-                    shapes.setdefault(key, []).append(shape)
-        return shapes
-
     @staticmethod
     def _stages(path: Path) -> list[Path]:
         has_pp = any(_PP.fullmatch(n) and (path / n).is_dir() for n in os.listdir(path))
@@ -142,7 +123,8 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     for row_files, row in zip(grid_files, grid)
                 ]
                 try:
-                    dtype, shape, copies = assemble_grid(cells, rules.shard_dim(key))
+                    dim = rules.shard_dim(key, [_tp_shape(row) for row in cells])
+                    dtype, shape, copies = assemble_grid(cells, dim)
                 except PlanError as exc:
                     raise CorruptModelCheckpointError(
                         stage, f"key {key!r}: {exc}", key=key
@@ -162,3 +144,9 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
     def _read(f: Path, restrict: bool) -> tuple[TorchArchive, dict[str, StoredTensor]]:
         archive = read_torch_archive(f, restrict=restrict)
         return archive, archive.state_dict()
+
+
+def _tp_shape(row: list[Cell]) -> tuple[int, ...]:
+    """One TP rank's shape: its SDP shards stacked on dim 0."""
+    shape = row[0].shape
+    return (sum(c.shape[0] for c in row), *shape[1:]) if shape else shape
