@@ -27,9 +27,9 @@ import torch
 
 from lazyckpt.build import output_dtype
 from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
-from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion, TensorEntry
+from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import TensorPlan, plan_entry
+from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -487,11 +487,6 @@ def index_collecting(
             dropped.add(key)
 
 
-def _where(index: CheckpointIndex, entry: TensorEntry) -> Path:
-    paths = {c.path for copy in entry.copies for c in copy if c.path is not None}
-    return next(iter(paths)) if len(paths) == 1 else index.path
-
-
 def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Problems) -> set[str]:
     """Coverage, overlap and bounds of every chunk of every key; returns the bad keys."""
     bad: set[str] = set()
@@ -504,7 +499,7 @@ def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Pro
 
     for entry in index:
         try:
-            plan_entry(entry, dims, Layout(), _where(index, entry))
+            plan_entry(entry, dims, Layout(), entry_path(index.path, entry))
         except ModelCheckpointError as exc:
             problems.add(exc)
             bad.add(entry.key)

@@ -25,7 +25,7 @@ from lazyckpt.plan import (
     target_box,
 )
 
-__all__ = ["TensorPlan", "check_shard_dims", "plan_entry", "plan_load"]
+__all__ = ["TensorPlan", "check_shard_dims", "entry_path", "plan_entry", "plan_load"]
 
 _MAX_DIM = (1 << 63) - 1
 
@@ -82,7 +82,8 @@ def check_shard_dims(shard_dims: Mapping[str, int]) -> None:
             raise ValueError(f"shard_dims[{key!r}] must be an int, got {dim!r}")
 
 
-def _where(index_path: Path, entry: TensorEntry) -> Path:
+def entry_path(index_path: Path, entry: TensorEntry) -> Path:
+    """The file to blame for ``entry``: its one file, or the checkpoint when it spans several."""
     paths = {c.path for copy in entry.copies for c in copy if c.path is not None}
     return next(iter(paths)) if len(paths) == 1 else index_path
 
@@ -171,7 +172,7 @@ def plan_load(
     used: set[Path] = set()
     for entry in index:
         own = None if boxes is None else boxes.get(entry.key)
-        where = functools.partial(_where, index.path, entry)
+        where = functools.partial(entry_path, index.path, entry)
         dim, box, pieces = plan_entry(entry, shard_dims, layout, where, own)
         planned.append((entry, dim, box, pieces))
         if len(entry.copies) == 1:
