@@ -187,7 +187,7 @@ def _lazy(ctx: Ctx, *, use_mmap: bool, copy_into: bool) -> Timed:
                 s += touch(t)
             del t
         return {
-            "bytes_read": stats.total_bytes_read + stats.bytes_verified,
+            "bytes_read": stats.total_bytes_read,  # replica checks included
             "bytes_verified": stats.bytes_verified,
             "views": stats.views,
             "tensors": stats.tensors,
@@ -274,7 +274,7 @@ def prep_load_into(ctx: Ctx) -> Timed:
         opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
         lazyckpt.load_into(model, path, shard_dims=ctx.dims, options=opts)  # type: ignore[attr-defined]
         return {
-            "bytes_read": stats.total_bytes_read + stats.bytes_verified,
+            "bytes_read": stats.total_bytes_read,  # replica checks included
             "bytes_verified": stats.bytes_verified,
             "views": stats.views,
             "tensors": stats.tensors,

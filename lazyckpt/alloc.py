@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["empty"]
+__all__ = ["empty", "owner"]
 
 _HUGE_PAGE = 2 << 20
 _ANON_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
@@ -34,4 +34,13 @@ def empty(sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     with contextlib.suppress(OSError):  # no huge pages: still a mapping freed on release
         buf.madvise(_MADV_HUGEPAGE)
     # The tensor keeps ``buf`` alive; the mapping goes when the last view of it does.
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(sizes))
+    tensor = torch.frombuffer(buf, dtype=dtype, count=numel).view(tuple(sizes))
+    tensor._lazyckpt_buffer = buf  # type: ignore[attr-defined]
+    return tensor
+
+
+def owner(tensor: object) -> mmap.mmap | None:
+    """The mapping behind a tensor from :func:`empty` (None for small ones): it lives exactly
+    as long as the tensor's memory, through any view of it, so a ``weakref.finalize`` on it
+    tells when that memory is given back."""
+    return getattr(tensor, "_lazyckpt_buffer", None)

@@ -20,7 +20,7 @@ from lazyckpt.plan import PlanError, normalize_dim
 __all__ = ["Cell", "assemble_grid"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Cell:
     """One shard of the grid: its local shape, dtype and where its elements are."""
 
@@ -58,8 +58,8 @@ def assemble_grid(
     if ndim == 0:
         return first.dtype, (), tuple((Chunk((), (), c.data),) for c in cells)
 
-    rows = [_stack_dp(row) for row in grid]  # per TP rank: local shape, chunks at local offsets
     if shard_dim is None:
+        rows = [_stack_dp(row, ndim) for row in grid]  # per TP rank: shape, chunks
         shape = rows[0][0]
         for (row_shape, _), row in zip(rows[1:], grid[1:]):
             if row_shape != shape:
@@ -76,26 +76,33 @@ def assemble_grid(
         raise ValueError(
             f"shard dim {shard_dim} is out of range for a {ndim}-D tensor; fix shard_dims"
         ) from None
-    shape0 = rows[0][0]
+    # Runs once per key and rank file of every model-parallel index: plain loops, and each
+    # chunk made once, at its global offsets (TP offset on ``dim``, DP offset on dim 0).
+    shape0: tuple[int, ...] | None = None
     offset = 0
     chunks: list[Chunk] = []
-    for (row_shape, row_chunks), row in zip(rows, grid):
+    for row in grid:
+        row_shape, row_chunks = _stack_dp(row, ndim, dim, offset)
+        if shape0 is None:
+            shape0 = row_shape
         for d in range(ndim):
             if d != dim and row_shape[d] != shape0[d]:
                 raise PlanError(
-                    f"shard shapes disagree off the shard dim {dim}: {shape0} in {grid[0][0].where}, "
-                    f"{row_shape} in {row[0].where}"
+                    f"shard shapes disagree off the shard dim {dim}: {shape0} in "
+                    f"{grid[0][0].where}, {row_shape} in {row[0].where}"
                 )
-        for chunk in row_chunks:
-            offsets = tuple(o + offset if d == dim else o for d, o in enumerate(chunk.offsets))
-            chunks.append(Chunk(offsets, chunk.sizes, chunk.data))
+        chunks.extend(row_chunks)
         offset += row_shape[dim]
-    shape = tuple(offset if d == dim else s for d, s in enumerate(shape0))
+    assert shape0 is not None
+    shape = (*shape0[:dim], offset, *shape0[dim + 1 :])
     return first.dtype, shape, (tuple(chunks),)
 
 
-def _stack_dp(row: Sequence[Cell]) -> tuple[tuple[int, ...], list[Chunk]]:
-    """Concatenate one TP rank's DP shards on dim 0: its local shape and chunks."""
+def _stack_dp(
+    row: Sequence[Cell], ndim: int, dim: int = 0, shift: int = 0
+) -> tuple[tuple[int, ...], list[Chunk]]:
+    """Concatenate one TP rank's DP shards on dim 0: its local shape, and its chunks with
+    ``shift`` added to their offset on ``dim`` (the TP rank's place in the global tensor)."""
     base = row[0].shape
     offset = 0
     chunks = []
@@ -105,6 +112,9 @@ def _stack_dp(row: Sequence[Cell]) -> tuple[tuple[int, ...], list[Chunk]]:
                 f"data-parallel shards disagree off dim 0: {base} in {row[0].where}, {c.shape} in "
                 f"{c.where}"
             )
-        chunks.append(Chunk((offset,) + (0,) * (len(base) - 1), c.shape, c.data))
+        offsets = [0] * ndim
+        offsets[0] = offset
+        offsets[dim] += shift
+        chunks.append(Chunk(tuple(offsets), c.shape, c.data))
         offset += c.shape[0]
     return (offset, *base[1:]), chunks

@@ -13,7 +13,7 @@ from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
 
-__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "same_bits"]
+__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "prepare", "same_bits"]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -56,6 +56,15 @@ def build_tensor(
     return dst, False
 
 
+def prepare(plan: TensorPlan, reader: Reader, *, fault_in: bool) -> None:
+    """Ready everything ``plan`` reads (its copy and the replicas it compares) ahead of time:
+    see :meth:`Reader.prepare`."""
+    key, dtype = plan.entry.checkpoint_key, plan.entry.dtype
+    reader.prepare(plan.chunks, dtype, plan.pieces, key, fault_in=fault_in)
+    for copy, pieces in plan.verify:
+        reader.prepare(plan.entry.copies[copy], dtype, pieces, key, fault_in=fault_in)
+
+
 def fill(
     plan: TensorPlan, reader: Reader, dst: torch.Tensor, *, pool: PinnedPool | None = None
 ) -> None:
@@ -71,9 +80,9 @@ def fill(
             f"key {key!r}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}"
         )
     if plan.verify:
-        # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype.
-        first = torch.empty(plan.box.sizes, dtype=src_dtype)
-        _fill(reader, plan.chunks, src_dtype, plan.pieces, first, key)
+        # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype,
+        # as views of the mapped files where each copy is one piece, else as copies.
+        first = _replica(plan, reader, plan.copy, plan.pieces)
         _verify(plan, reader, first, key)
         dst.copy_(first)
     elif dst.device.type == "cuda":
@@ -84,13 +93,25 @@ def fill(
         _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, key)
 
 
+def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece]) -> torch.Tensor:
+    """The target box as ``copy`` holds it: a view of the mapped file when the copy gives the
+    box as one piece, else a new tensor."""
+    dtype, key = plan.entry.dtype, plan.entry.checkpoint_key
+    chunks = plan.entry.copies[copy]
+    if len(pieces) == 1 and pieces[0].sizes == plan.box.sizes:
+        view = reader.view(chunks[pieces[0].chunk], dtype, pieces[0], key)
+        if view is not None:
+            return view
+    out = torch.empty(plan.box.sizes, dtype=dtype)
+    _fill(reader, chunks, dtype, pieces, out, key)
+    return out
+
+
 def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> None:
-    src_dtype = plan.entry.dtype
     for copy, pieces in plan.verify:
-        other = torch.empty(plan.box.sizes, dtype=src_dtype)
-        _fill(reader, plan.entry.copies[copy], src_dtype, pieces, other, key)
+        other = _replica(plan, reader, copy, pieces)  # counted as read, and as verified:
         if reader.stats is not None:
-            reader.stats.add_verified(other.numel() * src_dtype.itemsize)
+            reader.stats.add_verified(plan.nbytes)
         if not same_bits(first, other):
             a = plan.chunks[plan.pieces[0].chunk].path if plan.pieces else None
             b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None

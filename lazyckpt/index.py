@@ -10,7 +10,6 @@ tensor already in memory (``reshard_tensor``).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class FileRegion:
     """Where a chunk's elements lie in a file: element ``i`` (a multi-index) is at byte
     ``byte_offset + itemsize * sum(i[d] * strides[d])``."""
@@ -67,15 +66,19 @@ class LazyRegion:
 ChunkData = FileRegion | LazyRegion | torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class Chunk:
-    """A box of the global tensor: ``offsets`` and ``sizes`` per dim, and where it is stored."""
+    """A box of the global tensor: ``offsets`` and ``sizes`` per dim, and where it is stored.
+
+    The index's records are plain slotted classes, not frozen dataclasses: a fairscale MP-8 set
+    makes thousands of them and a frozen ``__init__`` costs three times as much. Treat them as
+    read-only all the same."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     data: ChunkData
 
-    @functools.cached_property
+    @property
     def path(self) -> Path | None:
         """The file holding the chunk (``None`` for an in-memory tensor)."""
         return None if isinstance(self.data, torch.Tensor) else self.data.path

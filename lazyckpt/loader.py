@@ -15,7 +15,8 @@ from typing import final
 
 import torch
 
-from lazyckpt.build import PinnedPool, build_tensor, output_dtype
+from lazyckpt import alloc
+from lazyckpt.build import PinnedPool, build_tensor, output_dtype, prepare
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import CheckpointIndex
@@ -187,19 +188,27 @@ def _stream(
             )
             return plan, tensor, is_view
 
-        def cost(plan: TensorPlan) -> int:
-            """Anonymous memory the tensor will take: none for a view of the mapping."""
-            view = (
+        def yields_view(plan: TensorPlan) -> bool:
+            """Whether the caller gets a view of the mapping (built inline, no memory)."""
+            return (
                 plan.may_be_view
                 and options.mmap
                 and not options.contiguous
                 and device.type == "cpu"
                 and output_dtype(plan.entry.dtype, options.dtype) == plan.entry.dtype
             )
-            return 0 if view else plan.nbytes
 
-        for plan, tensor, is_view in prefetched(plans, build, cost, options.prefetch_bytes):
-            stats.add_delivered(plan.nbytes, view=is_view)
+        items = prefetched(
+            plans,
+            build,
+            nbytes=lambda plan: plan.nbytes,
+            inline=yields_view,
+            budget=options.prefetch_bytes,
+            prepare=lambda plan: prepare(plan, reader, fault_in=True),
+            watch=lambda built: alloc.owner(built[1]),
+        )
+        for plan, tensor, viewed in items:
+            stats.add_delivered(plan.nbytes, view=viewed)
             bar.update(plan.nbytes)
             out = deliverer.deliver(plan, tensor)
             del tensor

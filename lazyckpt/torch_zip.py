@@ -18,8 +18,6 @@ import collections
 import io
 import os
 import pickle
-import struct
-import zipfile
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +28,14 @@ import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import FileRegion
-from lazyckpt.plan import span
+from lazyckpt.zipdir import (
+    LOCAL_HEADER_BYTES,
+    ZipError,
+    ZipSpan,
+    check_no_overlap,
+    read_directory,
+    record_data,
+)
 
 __all__ = [
     "StoredTensor",
@@ -43,21 +48,19 @@ __all__ = [
 
 ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 30
-_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
-_LOCAL_GUESS = 256
-"""Bytes read past a local header in the same call: its name and padding fit in most files."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class _StorageRef:
     key: str
     dtype: torch.dtype
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class StoredTensor:
-    """A tensor of the pickle, located in its storage but not read."""
+    """A tensor of the pickle, located in its storage but not read (read-only by convention:
+    slotted, not frozen, since one is made per tensor of every file indexed)."""
 
     storage: _StorageRef
     storage_offset: int
@@ -311,34 +314,6 @@ class _IndexUnpickler(pickle.Unpickler):
 # -- the zip ---------------------------------------------------------------------------------
 
 
-class _Window(io.RawIOBase):
-    """A read-only file object over ``[start, start + length)`` of a file descriptor."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 @dataclass
 class TorchArchive:
     """What a torch zip holds: the unpickled object and where each storage's bytes lie."""
@@ -369,34 +344,39 @@ class TorchArchive:
     def region(self, tensor: StoredTensor, key: str) -> FileRegion:
         """The file region of ``tensor`` (held by ``key``), after checking it lies inside its
         storage record."""
-
-        def bad(message: str) -> CorruptModelCheckpointError:
-            return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)
-
         ref = tensor.storage
         found = self.storage_offsets.get(ref.key)
         if found is None:
-            raise bad(f"storage record data/{ref.key} is missing from the zip")
+            raise self._bad(key, f"storage record data/{ref.key} is missing from the zip")
         offset, length = found
         itemsize = ref.dtype.itemsize
         if ref.numel * itemsize > length:
-            raise bad(
+            raise self._bad(
+                key,
                 f"storage record data/{ref.key} has {length} bytes but the pickle declares "
-                f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again"
+                f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again",
             )
-        if any(s < 0 for s in tensor.sizes) or any(s < 0 for s in tensor.strides):
-            raise bad(f"negative size or stride {tensor.sizes}/{tensor.strides}")
-        if len(tensor.sizes) != len(tensor.strides):
-            raise bad(f"size {tensor.sizes} and stride {tensor.strides} differ in rank")
-        if (
-            tensor.storage_offset < 0
-            or tensor.storage_offset + span(tensor.sizes, tensor.strides) > ref.numel
-        ):
-            raise bad(
-                f"the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
-                f"{tensor.strides}) reaches past its storage of {ref.numel} elements"
+        sizes, strides = tensor.sizes, tensor.strides
+        if len(sizes) != len(strides):
+            raise self._bad(key, f"size {sizes} and stride {strides} differ in rank")
+        last = 0  # the view's last element, relative to its first
+        for n, st in zip(sizes, strides):
+            if n < 0 or st < 0:
+                raise self._bad(key, f"negative size or stride {sizes}/{strides}")
+            if n == 0:
+                last = -1
+                break
+            last += (n - 1) * st
+        if tensor.storage_offset < 0 or tensor.storage_offset + last + 1 > ref.numel:
+            raise self._bad(
+                key,
+                f"the view (offset {tensor.storage_offset}, size {sizes}, stride {strides}) "
+                f"reaches past its storage of {ref.numel} elements",
             )
-        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, tensor.strides)
+        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, strides)
+
+    def _bad(self, key: str, message: str) -> CorruptModelCheckpointError:
+        return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)
 
 
 def read_torch_archive(
@@ -418,24 +398,14 @@ def read_torch_archive(
             raise CorruptModelCheckpointError(
                 path, f"bytes [{start}, {start + length}) lie past the end of the {size}-byte file"
             )
-        head = os.pread(fd, 4, start)
-        _check_magic(path, head, window)
+        span = ZipSpan(fd, start, length)
+        _check_magic(path, span.read(0, 4), window)
         try:
-            zf = zipfile.ZipFile(io.BufferedReader(_Window(fd, start, length)))
-        except (
-            zipfile.BadZipFile,
-            OSError,
-            ValueError,
-            EOFError,
-            struct.error,
-            NotImplementedError,
-            OverflowError,
-        ) as exc:
+            return _read_archive(path, span, restrict)
+        except ZipError as exc:
             raise CorruptModelCheckpointError(
-                path, f"not a readable torch zip archive ({exc}); the file is truncated or damaged"
-            ) from exc
-        with zf:
-            return _read_archive(path, fd, start, length, zf, restrict)
+                path, f"not a readable torch zip archive: {exc}"
+            ) from None
     finally:
         if own:
             os.close(fd)
@@ -456,37 +426,49 @@ def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> Non
     )
 
 
-def _read_archive(
-    path: Path, fd: int, start: int, length: int, zf: zipfile.ZipFile, restrict: bool
-) -> TorchArchive:
-    infos = zf.infolist()
-    pickles = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+def _read_archive(path: Path, span: ZipSpan, restrict: bool) -> TorchArchive:
+    records, directory = read_directory(span)
+    pickles = [r for r in records if r.name.endswith("data.pkl") and r.name.count("/") <= 1]
     if len(pickles) != 1:
         raise CorruptModelCheckpointError(
             path, f"expected one data.pkl record in the zip, found {len(pickles)}"
         )
-    prefix = pickles[0].filename[: -len("data.pkl")]
-    spans = {info.filename: _record_span(path, fd, start, length, info) for info in infos}
-    _check_record_order(path, infos, spans, start, zf.start_dir)
-    records: dict[str, tuple[int, int]] = {}
-    for info in infos:
-        rest = info.filename[len(prefix) :] if info.filename.startswith(prefix) else ""
-        if rest == "data.pkl" or rest == "byteorder" or rest.startswith("data/"):
-            records[rest] = spans[info.filename]
-    if "byteorder" in records:
-        offset, size = records["byteorder"]
-        order = os.pread(fd, size, offset)
-        if order != b"little":
+    prefix = pickles[0].name[: -len("data.pkl")]
+    base = span.start
+    storages: dict[str, tuple[int, int]] = {}
+    order = pkl = None
+    n = len(prefix)
+    # Local headers are checked for the records we read; the others (version, serialization
+    # id) only bound their neighbours in the overlap check, from their header offset.
+    starts = []
+    for r in records:
+        rest = r.name[n:] if r.name.startswith(prefix) else ""
+        if rest.startswith("data/"):
+            at = record_data(span, r)
+            storages[rest[5:]] = (base + at, r.size)
+        elif rest == "data.pkl":
+            at = record_data(span, r)
+            pkl = (at, r.size)
+        elif rest == "byteorder":
+            at = record_data(span, r)
+            order = (at, r.size)
+        else:
+            at = r.header_offset + LOCAL_HEADER_BYTES + len(r.raw_name)
+        starts.append(at)
+    check_no_overlap(records, starts, directory)
+    if order is not None:
+        byteorder = span.read(*order)
+        if byteorder != b"little":
             raise CorruptModelCheckpointError(
                 path,
-                f"byte order {order!r} is not supported; re-save the file on a little-endian "
+                f"byte order {byteorder!r} is not supported; re-save the file on a little-endian "
                 "machine",
             )
-    pkl_offset, pkl_size = records["data.pkl"]
-    if pkl_size > _MAX_PICKLE_BYTES:
-        raise CorruptModelCheckpointError(path, f"data.pkl is {pkl_size} bytes, too large")
-    data = os.pread(fd, pkl_size, pkl_offset)
-    if zlib.crc32(data) != pickles[0].CRC:
+    assert pkl is not None
+    if pkl[1] > _MAX_PICKLE_BYTES:
+        raise CorruptModelCheckpointError(path, f"data.pkl is {pkl[1]} bytes, too large")
+    data = span.read(*pkl)
+    if zlib.crc32(data) != pickles[0].crc:
         raise CorruptModelCheckpointError(
             path, "data.pkl fails its zip CRC check: the file is damaged; copy it again"
         )
@@ -501,83 +483,7 @@ def _read_archive(
         raise CorruptModelCheckpointError(
             path, f"data.pkl cannot be unpickled ({type(exc).__name__}: {exc})"
         ) from None
-    storages = {k[len("data/") :]: v for k, v in records.items() if k.startswith("data/")}
     return TorchArchive(path, obj, storages, unpickler.forbidden)
-
-
-def _record_span(
-    path: Path, fd: int, start: int, length: int, info: zipfile.ZipInfo
-) -> tuple[int, int]:
-    """Absolute offset and length of a stored record's data, checked against the file.
-
-    The local header is checked against the central directory (name, extra-field framing),
-    since a damaged length there would silently shift where the data is read from.
-    """
-    name = info.filename
-    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-        raise CorruptModelCheckpointError(
-            path,
-            f"zip record {name} is compressed; torch files store records uncompressed, so the "
-            "file was rewritten by another tool: save it again with torch.save",
-        )
-    if not 0 <= info.header_offset <= length - _LOCAL_HEADER.size:
-        raise CorruptModelCheckpointError(
-            path,
-            f"zip record {name}: its header offset {info.header_offset} lies outside the "
-            f"{length}-byte archive; the zip directory is damaged",
-        )
-    # One read usually covers header, name and extra field (torch pads records to 64 bytes).
-    head = os.pread(fd, _LOCAL_HEADER.size + _LOCAL_GUESS, start + info.header_offset)
-    fields = _LOCAL_HEADER.unpack_from(head)
-    name_len, extra_len = fields[9], fields[10]
-    rest = head[_LOCAL_HEADER.size : _LOCAL_HEADER.size + name_len + extra_len]
-    if len(rest) < name_len + extra_len:
-        rest = os.pread(fd, name_len + extra_len, start + info.header_offset + _LOCAL_HEADER.size)
-    if fields[0] != ZIP_MAGIC or rest[:name_len] != info.orig_filename.encode("utf-8"):
-        raise CorruptModelCheckpointError(
-            path,
-            f"zip record {name}: the local header does not match the zip directory; "
-            "the file is damaged: copy it again",
-        )
-    extra = rest[name_len:]
-    pos = 0
-    while pos + 4 <= len(extra):
-        pos += 4 + struct.unpack_from("<H", extra, pos + 2)[0]
-    if pos != len(extra):
-        raise CorruptModelCheckpointError(
-            path,
-            f"zip record {name}: malformed extra field in its local header; the file is damaged",
-        )
-    offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if offset + info.file_size > length:
-        raise CorruptModelCheckpointError(
-            path,
-            f"zip record {name} ({info.file_size} bytes at {offset}) runs past the end of the "
-            f"{length}-byte archive; the file is truncated: copy it again",
-        )
-    return start + offset, info.file_size
-
-
-def _check_record_order(
-    path: Path,
-    infos: list[zipfile.ZipInfo],
-    spans: dict[str, tuple[int, int]],
-    start: int,
-    directory: int,
-) -> None:
-    """Records must not overlap each other or the central directory (at ``directory``, relative
-    to the archive's ``start``); a flagged data descriptor follows a record's data."""
-    ordered = sorted(infos, key=lambda i: i.header_offset)
-    for i, info in enumerate(ordered):
-        offset, size = spans[info.filename]
-        stop = offset + size + (16 if info.flag_bits & 0x08 else 0)
-        limit = start + (ordered[i + 1].header_offset if i + 1 < len(ordered) else directory)
-        if stop > limit:
-            raise CorruptModelCheckpointError(
-                path,
-                f"zip record {info.filename} overlaps what follows it; the zip directory "
-                "is damaged: copy the file again",
-            )
 
 
 # -- state dicts -----------------------------------------------------------------------------

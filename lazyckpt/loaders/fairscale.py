@@ -87,12 +87,13 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                     key=extra[0],
                 )
         entries: dict[str, TensorEntry] = {}
+        named = [(f, f.name, archive, flat) for f, archive, flat in ranks]
         for key in first:
             target = rules.target(key)
             if target is None:
                 continue
             grid = []
-            for f, archive, flat in ranks:
+            for f, name, archive, flat in named:
                 stored = flat.get(key)
                 if stored is None:
                     raise CorruptModelCheckpointError(
@@ -102,7 +103,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                         key=key,
                     )
                 region = archive.region(stored, key)
-                grid.append([Cell(stored.sizes, stored.dtype, region, f.name)])
+                grid.append([Cell(stored.sizes, stored.dtype, region, name)])
             try:
                 dim = rules.shard_dim(key, [row[0].shape for row in grid])
                 dtype, shape, copies = assemble_grid(grid, dim)

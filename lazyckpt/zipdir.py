@@ -1,0 +1,256 @@
+"""Read the directory of an uncompressed zip (a ``torch.save`` file) with a handful of reads.
+
+Python's :mod:`zipfile` reads the central directory through a buffered file object and builds a
+``ZipInfo`` per record; for a fairscale MP-8 set (8 files x 81 records) or a DCP folder (one small
+zip per chunk) that cost as much as copying a rank's bytes. Here the directory comes from one
+read of the archive's tail, each record's local header from a read that is usually served from a
+block already in memory, and every field is checked as it is parsed: any damage is a
+:class:`ZipError` (its message says what is wrong), never an ``IndexError`` or a wrong offset.
+
+Only what torch writes is supported: stored records (zip64 or not), one disk, no encryption.
+Offsets are relative to the archive's start, which may lie inside a larger file (DCP).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "LOCAL_HEADER_BYTES",
+    "ZipError",
+    "ZipRecord",
+    "ZipSpan",
+    "check_no_overlap",
+    "read_directory",
+    "record_data",
+]
+
+_EOCD = struct.Struct("<4s4H2IH")
+_EOCD_SIG = b"PK\x05\x06"
+_LOCATOR = struct.Struct("<4sIQI")
+_LOCATOR_SIG = b"PK\x06\x07"
+_EOCD64 = struct.Struct("<4sQ2H2I4Q")
+_EOCD64_SIG = b"PK\x06\x06"
+_CENTRAL = struct.Struct("<4s6H3I5HII")
+_CENTRAL_SIG = b"PK\x01\x02"
+_LOCAL = struct.Struct("<4s5H3I2H")
+_LOCAL_SIG = b"PK\x03\x04"
+LOCAL_HEADER_BYTES = _LOCAL.size
+"""The fixed part of a local header; its name and extra field follow."""
+_U16 = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
+
+_TAIL_GUESS = 16 << 10
+"""Bytes read from the end first: the end records and, for torch files, the whole directory."""
+_MAX_COMMENT = 0xFFFF
+_HEAD_BLOCK = 4 << 10
+"""Bytes kept from the archive's start: the first local headers and a small ``data.pkl``."""
+_LOCAL_GUESS = 256
+"""Bytes read past a local header in the same call: its name and padding fit in most files."""
+_STORED = 0
+_DESCRIPTOR = 0x08
+_UTF8 = 0x800
+_ENCRYPTED = 0x01
+
+
+class ZipError(Exception):
+    """The archive is not a readable stored zip; the message says why (without the path)."""
+
+
+@dataclass(slots=True)
+class ZipRecord:
+    """One entry of the central directory."""
+
+    name: str
+    raw_name: bytes
+    flags: int
+    crc: int
+    size: int
+    header_offset: int
+
+
+class ZipSpan:
+    """Bytes ``[start, start + length)`` of an open file, read with few system calls.
+
+    Blocks passed to :meth:`keep` stay in memory, and reads inside one are served from it.
+    """
+
+    __slots__ = ("_blocks", "fd", "length", "start")
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length = fd, start, length
+        self._blocks: list[tuple[int, bytes]] = []
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at the archive's end)."""
+        n = max(0, min(n, self.length - offset))
+        if n == 0 or offset < 0:
+            return b""
+        for base, block in self._blocks:
+            if base <= offset and offset + n <= base + len(block):
+                return block[offset - base : offset - base + n]
+        return os.pread(self.fd, n, self.start + offset)
+
+    def keep(self, offset: int, n: int) -> bytes:
+        block = self.read(offset, n)
+        self._blocks.append((offset, block))
+        return block
+
+
+def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
+    """The records of the central directory, and the directory's offset.
+
+    Raises :class:`ZipError` for anything torch would not have written or that is damaged.
+    """
+    length = span.length
+    span.keep(0, min(length, _HEAD_BLOCK))
+    tail_start = max(0, length - _TAIL_GUESS)
+    tail = span.keep(tail_start, length - tail_start)
+    at = _find_eocd(tail)
+    if at < 0 and tail_start > 0:
+        tail_start = max(0, length - _EOCD.size - _MAX_COMMENT - _LOCATOR.size - _EOCD64.size)
+        tail = span.keep(tail_start, length - tail_start)
+        at = _find_eocd(tail)
+    if at < 0:
+        raise ZipError("no end-of-directory record: the file is truncated or not a zip")
+    _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    end = tail_start + at  # where the directory should end, if no zip64 records sit between
+    loc = at - _LOCATOR.size
+    if loc >= 0 and tail[loc : loc + 4] == _LOCATOR_SIG:
+        _, _, eocd64_at, _ = _LOCATOR.unpack_from(tail, loc)
+        rec = span.read(eocd64_at, _EOCD64.size)
+        if len(rec) < _EOCD64.size or rec[:4] != _EOCD64_SIG:
+            raise ZipError("the zip64 end-of-directory record is missing or damaged")
+        _, _, _, _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset = _EOCD64.unpack(rec)
+        end = eocd64_at
+    elif 0xFFFF in (n_disk, n_total) or 0xFFFFFFFF in (cd_size, cd_offset):
+        raise ZipError("the zip64 end records are missing")
+    if disk != 0 or cd_disk != 0 or n_disk != n_total:
+        raise ZipError("a multi-disk zip is not a torch file")
+    # Bytes prepended to the archive shift every offset by the same amount (zipfile allows it).
+    shift = end - cd_size - cd_offset
+    if shift < 0:
+        raise ZipError("the central directory lies past the end of the archive")
+    cd_offset += shift
+    directory = span.read(cd_offset, cd_size)
+    if len(directory) != cd_size:
+        raise ZipError("the central directory is truncated")
+    return _parse_central(directory, n_total, shift, cd_offset), cd_offset
+
+
+def _find_eocd(tail: bytes) -> int:
+    at = len(tail) - _EOCD.size
+    if at >= 0 and tail[at : at + 4] == _EOCD_SIG:
+        return at
+    at = tail.rfind(_EOCD_SIG, 0, max(0, len(tail) - _EOCD.size + 4))
+    while at >= 0:
+        if at + _EOCD.size + _U16.unpack_from(tail, at + 20)[0] == len(tail):
+            return at
+        at = tail.rfind(_EOCD_SIG, 0, at)
+    return -1
+
+
+def _parse_central(data: bytes, count: int, shift: int, limit: int) -> list[ZipRecord]:
+    records: list[ZipRecord] = []
+    pos = 0
+    unpack = _CENTRAL.unpack_from
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(data):
+            raise ZipError("the central directory is shorter than its record count")
+        (sig, _, _, flags, method, _, _, crc, csize, size, n_name, n_extra, n_comment, _, _, _,
+         offset) = unpack(data, pos)  # fmt: skip
+        if sig != _CENTRAL_SIG:
+            raise ZipError("the central directory is damaged (bad record signature)")
+        name_end = pos + _CENTRAL.size + n_name
+        extra_end = name_end + n_extra
+        if extra_end + n_comment > len(data):
+            raise ZipError("the central directory is damaged (a record runs past its end)")
+        raw_name = data[pos + _CENTRAL.size : name_end]
+        if 0xFFFFFFFF in (size, csize, offset):
+            size, csize, offset = _zip64_fields(data[name_end:extra_end], size, csize, offset)
+        name = raw_name.decode("utf-8" if flags & _UTF8 else "cp437", errors="replace")
+        if method != _STORED or csize != size:
+            raise ZipError(
+                f"record {name} is compressed; torch files store records uncompressed, so the "
+                "file was rewritten by another tool: save it again with torch.save"
+            )
+        if flags & _ENCRYPTED:
+            raise ZipError(f"record {name} is encrypted")
+        offset += shift
+        if not 0 <= offset <= limit - _LOCAL.size:
+            raise ZipError(
+                f"record {name}: its header offset {offset} lies outside the archive; the zip "
+                "directory is damaged"
+            )
+        records.append(ZipRecord(name, raw_name, flags, crc, size, offset))
+        pos = extra_end + n_comment
+    return records
+
+
+def _zip64_fields(extra: bytes, size: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """The 64-bit values of the fields that hold 0xFFFFFFFF, from the zip64 extra block."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<2H", extra, pos)
+        body = extra[pos + 4 : pos + 4 + n]
+        pos += 4 + n
+        if tag != 1:
+            continue
+        values = [size, csize, offset]
+        at = 0
+        for i in range(3):
+            if values[i] == 0xFFFFFFFF:
+                if at + 8 > len(body):
+                    raise ZipError("a zip64 extra field is truncated")
+                values[i] = _U64.unpack_from(body, at)[0]
+                at += 8
+        return values[0], values[1], values[2]
+    raise ZipError("a record needs a zip64 extra field and has none")
+
+
+def record_data(span: ZipSpan, record: ZipRecord) -> int:
+    """Where ``record``'s data starts, after checking its local header against the directory
+    (a damaged length there would silently shift where the data is read from)."""
+    head = span.read(record.header_offset, _LOCAL.size + len(record.raw_name) + _LOCAL_GUESS)
+    if len(head) < _LOCAL.size:
+        raise ZipError(f"record {record.name}: its local header is truncated")
+    fields = _LOCAL.unpack_from(head)
+    n_name, n_extra = fields[9], fields[10]
+    need = _LOCAL.size + n_name + n_extra
+    if len(head) < need:
+        head = span.read(record.header_offset, need)
+    if fields[0] != _LOCAL_SIG or head[_LOCAL.size : _LOCAL.size + n_name] != record.raw_name:
+        raise ZipError(
+            f"record {record.name}: the local header does not match the zip directory; "
+            "the file is damaged: copy it again"
+        )
+    extra = head[_LOCAL.size + n_name : need]
+    pos = 0
+    while pos + 4 <= len(extra):
+        pos += 4 + _U16.unpack_from(extra, pos + 2)[0]
+    if pos != len(extra) or len(head) < need:
+        raise ZipError(f"record {record.name}: malformed extra field in its local header")
+    start = record.header_offset + need
+    if start + record.size > span.length:
+        raise ZipError(
+            f"record {record.name} ({record.size} bytes at {start}) runs past the end of the "
+            f"{span.length}-byte archive; the file is truncated: copy it again"
+        )
+    return start
+
+
+def check_no_overlap(records: list[ZipRecord], starts: list[int], directory: int) -> None:
+    """Records must not overlap each other or the central directory; a flagged data descriptor
+    follows a record's data (16 bytes, 24 in zip64)."""
+    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    for j, i in enumerate(order):
+        r = records[i]
+        tail = 16 if r.flags & _DESCRIPTOR else 0  # the zip64 form is longer: 16 is a floor
+        limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
+        if starts[i] + r.size + tail > limit:
+            raise ZipError(
+                f"record {r.name} overlaps what follows it; the zip directory is damaged: copy "
+                "the file again"
+            )
