@@ -13,7 +13,7 @@ from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
 
-__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "prepare", "same_bits"]
+__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "same_bits"]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -31,11 +31,12 @@ def build_tensor(
     device: torch.device | None = None,
     pool: PinnedPool | None = None,
     contiguous: bool = False,
+    buffers: alloc.BufferPool | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """The target tensor of ``plan`` and whether it is a view of a mapped file.
 
     A box inside one chunk, with no cast, is a view (strided unless ``contiguous``); anything
-    else is copied into one new buffer."""
+    else is copied into one new buffer (from ``buffers`` when given)."""
     on_cpu = device is None or device.type == "cpu"
     if on_cpu and plan.may_be_view and out_dtype == plan.entry.dtype:
         piece = plan.pieces[0]
@@ -49,20 +50,12 @@ def build_tensor(
         if view is not None:
             return view, True
     if on_cpu:
-        dst = alloc.empty(plan.box.sizes, out_dtype)
+        make = alloc.empty if buffers is None else buffers.empty
+        dst = make(plan.box.sizes, out_dtype)
     else:
         dst = torch.empty(plan.box.sizes, dtype=out_dtype, device=device)
     fill(plan, reader, dst, pool=pool)
     return dst, False
-
-
-def prepare(plan: TensorPlan, reader: Reader, *, fault_in: bool) -> None:
-    """Ready everything ``plan`` reads (its copy and the replicas it compares) ahead of time:
-    see :meth:`Reader.prepare`."""
-    key, dtype = plan.entry.checkpoint_key, plan.entry.dtype
-    reader.prepare(plan.chunks, dtype, plan.pieces, key, fault_in=fault_in)
-    for copy, pieces in plan.verify:
-        reader.prepare(plan.entry.copies[copy], dtype, pieces, key, fault_in=fault_in)
 
 
 def fill(

@@ -7,6 +7,7 @@ read the planned pieces into one buffer (or yield a view), cast, move, yield.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import final
 import torch
 
 from lazyckpt import alloc
-from lazyckpt.build import PinnedPool, build_tensor, output_dtype, prepare
+from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import CheckpointIndex
@@ -179,12 +180,25 @@ def _stream(
     total = sum(p.nbytes for p in plans)
     bar = byte_bar(total, "loading", enabled=options.progress)
     stats.start()
-    with Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
+    # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
+    # bound as the prefetcher's memory: the largest tensor plus the budget.
+    largest = max((p.nbytes for p in plans), default=0)
+    with (
+        Reader(use_mmap=options.mmap, stats=stats) as reader,
+        bar,
+        contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
+    ):
 
         def build(plan: TensorPlan) -> tuple[TensorPlan, torch.Tensor, bool]:
             out = output_dtype(plan.entry.dtype, options.dtype)
             tensor, is_view = build_tensor(
-                plan, reader, out, device=device, pool=pool, contiguous=options.contiguous
+                plan,
+                reader,
+                out,
+                device=device,
+                pool=pool,
+                contiguous=options.contiguous,
+                buffers=buffers,
             )
             return plan, tensor, is_view
 
@@ -204,7 +218,6 @@ def _stream(
             nbytes=lambda plan: plan.nbytes,
             inline=yields_view,
             budget=options.prefetch_bytes,
-            prepare=lambda plan: prepare(plan, reader, fault_in=True),
             watch=lambda built: alloc.owner(built[1]),
         )
         for plan, tensor, viewed in items:

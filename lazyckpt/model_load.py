@@ -18,14 +18,13 @@ import torch
 from torch import nn
 
 from lazyckpt import alloc
-from lazyckpt.build import PinnedPool, fill, prepare
+from lazyckpt.build import PinnedPool, fill
 from lazyckpt.errors import ModelCheckpointError
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import TensorPlan, plan_load
+from lazyckpt.load_plan import plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.plan import Box
-from lazyckpt.prefetch import prefetched
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -255,22 +254,8 @@ def load_into(
     stats.start()
     bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
     with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
-
-        def fill_one(plan: TensorPlan) -> TensorPlan:
+        for plan in plans:
             fill(plan, reader, destinations[plan.key], pool=pool)
-            return plan
-
-        # Every fill runs here, into the model's own tensors; the prefetch thread runs ahead
-        # only to locate chunks and open files (DCP chunk zips are parsed there, off the copy).
-        filled = prefetched(
-            plans,
-            fill_one,
-            nbytes=lambda plan: plan.nbytes,
-            inline=lambda plan: True,
-            budget=options.prefetch_bytes,
-            prepare=lambda plan: prepare(plan, reader, fault_in=False),
-        )
-        for plan in filled:
             stats.add_delivered(plan.nbytes, view=False)
             bar.update(plan.nbytes)
         if pool is not None:

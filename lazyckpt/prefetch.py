@@ -1,26 +1,22 @@
-"""Work ahead of the caller on a background thread, within a byte budget.
+"""Build the next items on a background thread, within a byte budget.
 
-Items are of two kinds:
+Items that cost memory (copies into new buffers) are built on a worker thread in order and
+handed over; ``Tensor.copy_`` and ``preadv`` release the GIL, so reading overlaps whatever the
+caller does with the current tensor. Items that cost nothing (zero-copy views of a mapped file)
+are built by the caller when their turn comes: handing them between threads, or preparing them
+ahead (faulting their pages in), measured slower than building them in place, since the worker
+and the caller then contend for the GIL.
 
-* **built ahead** (a copy into a new buffer): the worker builds them in order and hands them
-  over. ``Tensor.copy_`` and ``preadv`` release the GIL, so reading overlaps whatever the caller
-  does with the current tensor.
-* **built by the caller** (a zero-copy view of a mapped file, or ``load_into``'s fill of the
-  caller's own tensor): handing such an item between threads would cost more than building it,
-  so the worker only *prepares* it (locates DCP chunks, faults in the pages a view will read) and
-  the caller finds it ready.
-
-The budget bounds what the worker runs ahead by: the bytes of items it prepared or built that
-the caller has not taken, plus the buffers it built that are still alive (with ``watch``, a
-buffer counts until it is freed, wherever it went; without, until it is handed over). One item
-is always allowed when nothing is waiting and the live buffers fit in the budget, so a tensor
-larger than the budget is still built ahead; memory held by the loader thus stays below the
-largest tensor plus the budget, even while the caller holds the previous large one.
+The budget bounds how far the worker runs ahead: the bytes of built items the caller has not
+taken, plus the built buffers still alive (with ``watch``, a buffer counts until it is freed,
+wherever it went; without, until it is handed over). One item is always allowed when nothing is
+waiting and the live buffers fit in the budget, so a tensor larger than the budget is still
+built ahead; memory held by the loader thus stays below the largest tensor plus the budget, even
+while the caller still holds the previous large one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -44,18 +40,15 @@ class _Slot(Generic[R]):
 class _State:
     """Shared by the caller and the worker; every field is read and written under ``cond``."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self) -> None:
         # Reentrant: a buffer's finalizer may run in a thread that already holds the lock.
         self.cond = threading.Condition(threading.RLock())
-        self.pos = 0
-        """Index of the next item the caller takes."""
         self.ahead = 0
-        """Bytes of items the worker prepared or built that the caller has not taken."""
+        """Bytes of items the worker built that the caller has not taken."""
         self.live = 0
         """Bytes of built buffers still alive (watched) or not yet handed over."""
         self.waiting = -1
         """Index of the built item the caller waits for, or -1."""
-        self.done = [False] * n
         self.ready: dict[int, _Slot[object]] = {}
         self.stop = False
 
@@ -65,6 +58,15 @@ class _State:
             self.cond.notify_all()
 
 
+def _watch(owner: object | None, state: _State, size: int) -> bool:
+    """Count ``size`` as live until ``owner`` is freed (a function of its own, so that no
+    local variable of the worker keeps ``owner`` alive)."""
+    if owner is None:
+        return False
+    weakref.finalize(owner, state.release, size).atexit = False
+    return True
+
+
 def prefetched(
     items: Sequence[T],
     build: Callable[[T], R],
@@ -72,26 +74,23 @@ def prefetched(
     nbytes: Callable[[T], int],
     inline: Callable[[T], bool],
     budget: int,
-    prepare: Callable[[T], None] | None = None,
     watch: Callable[[R], object | None] | None = None,
 ) -> Iterator[R]:
     """``build(item)`` for each item in order.
 
-    ``inline(item)``: the caller builds the item, after the worker ran ``prepare(item)`` on it
-    if it got there first (an exception from ``prepare`` is dropped: the caller's ``build``
-    meets the same problem and raises it at the right item). Other items are built on the
-    worker; an exception from ``build`` is raised in the caller at the item that failed.
-    ``watch(value)`` names an object whose lifetime is that of a built item's memory. With
-    ``budget <= 0`` everything runs in the caller. Closing the iterator early stops the worker
-    before it starts anything more.
+    ``inline(item)``: the caller builds the item; other items are built on the worker, and an
+    exception from ``build`` is raised in the caller at the item that failed. ``watch(value)``
+    names an object whose lifetime is that of a built item's memory. With ``budget <= 0``
+    everything runs in the caller. Closing the iterator early stops the worker before it starts
+    anything more.
     """
     sizes = [nbytes(item) for item in items]
     kinds = [inline(item) for item in items]
-    if budget <= 0 or (prepare is None and all(kinds)):
+    if budget <= 0 or all(kinds):
         for item in items:
             yield build(item)
         return
-    state = _State(len(items))
+    state = _State()
     cond = state.cond
 
     def may_start(i: int, size: int) -> bool:
@@ -103,33 +102,22 @@ def prefetched(
 
     def work() -> None:
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
-            if is_inline and prepare is None:
+            if is_inline:
                 continue
             with cond:
-                while not state.stop and i >= state.pos and not may_start(i, size):
+                while not state.stop and not may_start(i, size):
                     cond.wait()
                 if state.stop:
                     return
-                if i < state.pos:  # the caller got there first
-                    continue
-                state.done[i] = True
                 state.ahead += size
-                if not is_inline:
-                    state.live += size
-            if is_inline:
-                with contextlib.suppress(Exception):  # the caller's build raises it again
-                    prepare(item)  # type: ignore[misc]
-                continue
+                state.live += size
             slot: _Slot[object] = _Slot()
             try:
                 slot.value = build(item)
             except BaseException as exc:  # handed to the caller, who re-raises it
                 slot.error = exc
-            owner = watch(slot.value) if watch is not None and slot.error is None else None  # type: ignore[arg-type]
-            if owner is not None:
-                finalizer = weakref.finalize(owner, state.release, size)
-                finalizer.atexit = False
-                slot.watched = True
+            if watch is not None and slot.error is None:
+                slot.watched = _watch(watch(slot.value), state, size)  # type: ignore[arg-type]
             with cond:
                 state.ready[i] = slot
                 cond.notify_all()
@@ -142,11 +130,6 @@ def prefetched(
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
             if is_inline:
                 value = build(item)
-                with cond:
-                    state.pos = i + 1
-                    if state.done[i]:
-                        state.ahead -= size
-                    cond.notify_all()
                 yield value
                 del value
                 continue
@@ -157,7 +140,6 @@ def prefetched(
                     cond.wait()
                 slot = state.ready.pop(i)
                 state.waiting = -1
-                state.pos = i + 1
                 state.ahead -= size
                 if not slot.watched:
                     state.live -= size

@@ -17,14 +17,11 @@ Files are opened on first use, so a file that holds no byte of the target is nev
 from __future__ import annotations
 
 import ctypes
-import errno
-import functools
 import mmap
 import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -54,16 +51,11 @@ class _OpenFile:
             os.close(self.fd)
             raise
         self._map: mmap.mmap | None = None
-        self.address = 0
-        """Where the mapping starts in memory (0 until mapped)."""
 
     def mapping(self) -> mmap.mmap:
         if self._map is None:
             # ACCESS_COPY is MAP_PRIVATE: views are writable, writes never reach the file.
             self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
-            probe = ctypes.c_char.from_buffer(self._map)  # an export: dropped at once
-            self.address = ctypes.addressof(probe)
-            del probe
         return self._map
 
     def check_range(self, start: int, stop: int, key: str) -> None:
@@ -132,32 +124,6 @@ class Reader:
             self.stats.add_read(str(path), nbytes)
 
     # -- public ---------------------------------------------------------------------------
-
-    def prepare(
-        self,
-        chunks: Sequence[Chunk],
-        dtype: torch.dtype,
-        pieces: Sequence[Piece],
-        key: str,
-        *,
-        fault_in: bool,
-    ) -> None:
-        """Get ready to read ``pieces`` (run ahead of the reads, on the prefetch thread): locate
-        lazy regions, open and map their files and, with ``fault_in``, map the pages the pieces
-        span into the process (``MADV_POPULATE_READ``: a cold page cache is read from disk
-        here), so that whoever touches a zero-copy view of them takes no page fault."""
-        for piece in pieces:
-            chunk = chunks[piece.chunk]
-            if piece.numel == 0 or isinstance(chunk.data, torch.Tensor):
-                continue
-            region = _region(chunk)
-            if not self.use_mmap:
-                self._open(region.path)
-                continue
-            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            self._mapping(f)
-            if fault_in:
-                _populate(f.address + first, count * dtype.itemsize)
 
     def view(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, strided: bool = True
@@ -271,44 +237,6 @@ class Reader:
             target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
             read += count * itemsize
         return read
-
-
-_MADV_POPULATE_READ = 22
-"""Linux 5.14+: fault the range in, reading it from disk if needed; older kernels say EINVAL."""
-_MADV_WILLNEED = 3
-_PAGE = mmap.PAGESIZE
-
-
-@functools.cache
-def _madvise() -> Any:
-    """libc's ``madvise`` through ``ctypes`` (which releases the GIL for the call), or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_advice = [_MADV_POPULATE_READ]
-"""What :func:`_populate` asks for: falls back to readahead once the kernel refuses."""
-
-
-def _populate(address: int, nbytes: int) -> None:
-    """Fault in ``[address, address + nbytes)`` of a mapping without holding the GIL. Best
-    effort: a kernel without ``MADV_POPULATE_READ`` only starts readahead, a system without
-    ``madvise`` does nothing, and a failure is left for the read itself to meet."""
-    madvise = _madvise()
-    if madvise is None or nbytes <= 0:
-        return
-    start = address - address % _PAGE
-    length = address + nbytes - start
-    advice = _advice[0]
-    failed = madvise(start, length, advice) != 0
-    if failed and advice == _MADV_POPULATE_READ and ctypes.get_errno() == errno.EINVAL:
-        _advice[0] = _MADV_WILLNEED
-        madvise(start, length, _MADV_WILLNEED)
 
 
 def _region(chunk: Chunk) -> FileRegion:

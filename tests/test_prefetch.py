@@ -1,0 +1,157 @@
+"""The prefetch thread and the buffer pool: order, errors, and the memory they may hold."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import same_bits
+from safetensors.torch import save_file
+
+import lazyckpt
+from lazyckpt import alloc
+from lazyckpt.prefetch import prefetched
+
+MB = 1 << 20
+
+
+class _Live:
+    """Bytes of buffers alive right now, and the most ever, seen through finalizers (the
+    test's own count, independent of the prefetcher's)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def track(self, tensor: torch.Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(alloc.owner(tensor), self._free, n)
+
+    def _free(self, n: int) -> None:
+        with self.lock:
+            self.now -= n
+
+
+def _run(sizes: list[int], budget: int, *, keep: bool) -> tuple[_Live, list[int]]:
+    live = _Live()
+
+    def build(size: int) -> torch.Tensor:
+        t = alloc.empty((size,), torch.uint8)
+        t.fill_(size % 251)
+        live.track(t)
+        return t
+
+    got: list[int] = []
+    kept = []
+    for t in prefetched(
+        sizes,
+        build,
+        nbytes=lambda s: s,
+        inline=lambda s: False,
+        budget=budget,
+        watch=alloc.owner,
+    ):
+        got.append(t.numel())
+        assert int(t[0]) == t.numel() % 251
+        if keep:
+            kept.append(t)
+        del t
+    return live, got
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [40 * MB, 3 * MB, 3 * MB, 40 * MB, 2 * MB, 2 * MB, 30 * MB, 30 * MB],
+        [2 * MB] * 24,
+        [64 * MB, 64 * MB, 4 * MB],
+    ],
+    ids=["mixed", "small", "large-neighbours"],
+)
+def test_memory_held_stays_below_largest_plus_budget(sizes: list[int]) -> None:
+    budget = 8 * MB
+    live, got = _run(sizes, budget, keep=False)
+    assert got == sizes
+    # The caller drops each tensor before asking for the next: what is alive at once is at
+    # most one tensor beyond the budget.
+    assert live.peak <= max(sizes) + budget, (live.peak / MB, sizes)
+
+
+def test_a_caller_that_keeps_everything_still_gets_everything() -> None:
+    sizes = [4 * MB] * 12
+    live, got = _run(sizes, 8 * MB, keep=True)
+    assert got == sizes
+    assert live.peak == sum(sizes)  # all kept, none built twice
+
+
+def test_errors_arrive_at_their_item_and_inline_items_keep_their_place() -> None:
+    def build(i: int) -> int:
+        if i == 5:
+            raise RuntimeError("item 5 is bad")
+        return i
+
+    out = []
+    stream = prefetched(
+        list(range(8)), build, nbytes=lambda i: 1, inline=lambda i: i % 2 == 0, budget=4
+    )
+    with pytest.raises(RuntimeError, match="item 5"):
+        for i in stream:
+            out.append(i)
+    assert out == [0, 1, 2, 3, 4]
+
+
+def test_lazy_load_with_and_without_prefetch_agree(tmp_path: Path) -> None:
+    sd = {f"layer{i}": torch.randn(300 + i, 96) for i in range(12)}
+    save_file(sd, tmp_path / "m.safetensors")
+    results = []
+    for budget in (0, 64 * 1024, 32 * MB):
+        for dtype in (None, torch.float16):  # views, then copies
+            opts = lazyckpt.ModelCheckpointLoadOptions(
+                prefetch_bytes=budget, dtype=dtype, layout=lazyckpt.Layout(tp_size=2, tp_rank=1)
+            )
+            stream = lazyckpt.get_model_checkpoint_loader().lazy_load(
+                tmp_path / "m.safetensors", {k: 1 for k in sd}, opts
+            )
+            results.append({k: v.clone() for k, v in stream})
+    for got in results:
+        assert list(got) == list(results[0]) and set(got) == set(sd)
+    for a, b in zip(results[0::2], results[2::2]):
+        assert all(same_bits(a[k], b[k]) for k in sd)
+    for a, b in zip(results[1::2], results[3::2]):
+        assert all(same_bits(a[k], b[k]) for k in sd)
+
+
+def test_buffer_pool_reuses_freed_mappings_within_its_capacity() -> None:
+    pool = alloc.BufferPool(capacity=20 * MB)
+    a = pool.empty((4 * MB,), torch.uint8)
+    a.fill_(7)
+    address = a.data_ptr()
+    del a
+    assert pool.free_bytes == 4 * MB  # given back when the tensor went
+    b = pool.empty((3 * MB,), torch.uint16)  # 6 MiB: does not fit the free 4 MiB mapping
+    assert b.data_ptr() != address
+    c = pool.empty((3 * MB,), torch.uint8)  # fits it
+    assert c.data_ptr() == address and pool.free_bytes == 0
+    view = c[10:]
+    del c
+    assert pool.free_bytes == 0  # a view keeps the lease
+    del view
+    assert pool.free_bytes == 4 * MB
+    # Leased 6 MiB + free 4 MiB + 12 MiB new would pass 20 MiB: the free mapping is unmapped.
+    d = pool.empty((12 * MB,), torch.uint8)
+    assert pool.free_bytes == 0
+    del b  # leased 12 + free 0 + 6 <= 20: kept
+    assert pool.free_bytes == 6 * MB
+    e = pool.empty((14 * MB,), torch.uint8)  # the caller holds d: past capacity, still served
+    del d, e  # 26 MiB given back into a 20 MiB pool: what fits is kept
+    assert pool.free_bytes <= 20 * MB
+    pool.close()
+    assert pool.free_bytes == 0
+    assert pool.empty((1 * MB,), torch.uint8).numel() == MB  # small: a plain tensor

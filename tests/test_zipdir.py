@@ -1,0 +1,93 @@
+"""lazyckpt's zip directory reader against Python's ``zipfile`` on real ``torch.save`` files."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lazyckpt.zipdir import ZipError, ZipSpan, check_no_overlap, read_directory, record_data
+
+
+def _records(path: Path, start: int = 0, length: int | None = None) -> dict[str, bytes]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        span = ZipSpan(fd, start, size - start if length is None else length)
+        records, directory = read_directory(span)
+        starts = [record_data(span, r) for r in records]
+        check_no_overlap(records, starts, directory)
+        raw = path.read_bytes()
+        return {r.name: raw[start + at : start + at + r.size] for r, at in zip(records, starts)}
+    finally:
+        os.close(fd)
+
+
+def _oracle(data: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return {i.filename: zf.read(i) for i in zf.infolist()}
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"w": torch.arange(10.0)},
+        {f"layer{i}.weight": torch.randn(64, 32) for i in range(40)},
+        {"big": torch.zeros(3 << 20, dtype=torch.uint8), "ids": torch.arange(7)},
+    ],
+    ids=["one", "many-records", "large"],
+)
+def test_torch_save_records_match_zipfile(tmp_path: Path, obj: dict[str, torch.Tensor]) -> None:
+    path = tmp_path / "m.pt"
+    torch.save(obj, path)
+    assert _records(path) == _oracle(path.read_bytes())
+
+
+def test_an_archive_inside_a_larger_file(tmp_path: Path) -> None:
+    # DCP stores each chunk as a torch zip at an offset of a .distcp file.
+    buf = io.BytesIO()
+    torch.save({"w": torch.randn(100, 3)}, buf)
+    inner = buf.getvalue()
+    path = tmp_path / "outer.bin"
+    path.write_bytes(b"x" * 777 + inner + b"y" * 99)
+    assert _records(path, 777, len(inner)) == _oracle(inner)
+
+
+def test_a_zip_written_by_zipfile_with_a_comment_and_prefix(tmp_path: Path) -> None:
+    path = tmp_path / "c.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("a/data.pkl", b"pickle bytes")
+        zf.writestr("a/data/0", bytes(range(256)) * 10)
+        zf.comment = b"a comment of some length"
+    data = path.read_bytes()
+    assert _records(path) == _oracle(data)
+    # Bytes prepended to a zip (a self-extractor's stub): every offset shifts, as zipfile allows.
+    shifted = tmp_path / "shifted.zip"
+    shifted.write_bytes(b"#!stub\n" * 3 + data)
+    assert _records(shifted) == _oracle(shifted.read_bytes())
+
+
+def test_damage_is_a_zip_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(10.0)}, path)
+    data = path.read_bytes()
+    cases = {
+        "no-end-record": data[:-22],
+        "directory-cut": data[: data.rfind(b"PK\x01\x02")] + data[-22:],
+        "bad-signature": data.replace(b"PK\x01\x02", b"PK\x01\x09", 1),
+        "local-header-name": data.replace(b"/data.pkl", b"/data.pkX", 1),
+    }
+    for name, bad in cases.items():
+        p = tmp_path / f"{name}.pt"
+        p.write_bytes(bad)
+        with pytest.raises(ZipError):
+            _records(p)
+    compressed = tmp_path / "deflated.zip"
+    with zipfile.ZipFile(compressed, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("a/data.pkl", b"p" * 1000)
+    with pytest.raises(ZipError, match="compressed"):
+        _records(compressed)
