@@ -51,6 +51,8 @@ class _OpenFile:
             os.close(self.fd)
             raise
         self._map: mmap.mmap | None = None
+        self.flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        """Flat tensors over the mapping, by dtype and start byte (see ``Reader._flat``)."""
 
     def mapping(self) -> mmap.mmap:
         if self._map is None:
@@ -73,6 +75,7 @@ class _OpenFile:
         # reference to it but not a buffer export, so closing it under a live view would
         # unmap memory the view still reads (a crash). Dropping our reference lets the last
         # view free it.
+        self.flats.clear()
         self._map = None
         os.close(self.fd)
 
@@ -119,6 +122,18 @@ class Reader:
         with self._lock:
             return f.mapping()
 
+    def _flat(self, f: _OpenFile, dtype: torch.dtype, shift: int) -> torch.Tensor:
+        """The whole mapped file as a flat ``dtype`` tensor starting at byte ``shift``: copies
+        take pieces of it with one ``as_strided`` (never yielded, so no caller ever holds a
+        storage spanning the whole file)."""
+        flat = f.flats.get((dtype, shift))
+        if flat is None:
+            with self._lock:
+                count = (f.size - shift) // dtype.itemsize
+                flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=shift)
+                f.flats[(dtype, shift)] = flat
+        return flat
+
     def _count(self, path: Path, nbytes: int) -> None:
         if self.stats is not None:
             self.stats.add_read(str(path), nbytes)
@@ -150,17 +165,17 @@ class Reader:
         target box (contiguous, on the CPU, any dtype)."""
         if piece.numel == 0:
             return
-        dst_view = dst[tuple(slice(o, o + s) for o, s in zip(piece.dst_offsets, piece.sizes))]
+        dst_view = _sub(dst, piece.dst_offsets, piece.sizes)
         if isinstance(chunk.data, torch.Tensor):
-            src = chunk.data[tuple(slice(o, o + s) for o, s in zip(piece.src_offsets, piece.sizes))]
-            dst_view.copy_(src)
+            dst_view.copy_(_sub(chunk.data, piece.src_offsets, piece.sizes))
             return
         region = _region(chunk)
         if self.use_mmap:
-            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
-            dst_view.copy_(flat.as_strided(piece.sizes, region.strides))
-            self._count(region.path, piece.numel * dtype.itemsize)
+            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            itemsize = dtype.itemsize
+            flat = self._flat(f, dtype, first % itemsize)
+            dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
+            self._count(region.path, piece.numel * itemsize)
         else:
             self._pread(region, dtype, piece, dst_view, key)
 
@@ -237,6 +252,17 @@ class Reader:
             target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
             read += count * itemsize
         return read
+
+
+def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """``t[o0:o0+s0, o1:o1+s1, ...]``, as one ``as_strided`` (cheaper than indexing)."""
+    if tuple(sizes) == tuple(t.shape):
+        return t
+    strides = t.stride()
+    start = t.storage_offset()
+    for o, st in zip(offsets, strides):
+        start += o * st
+    return t.as_strided(tuple(sizes), strides, start)
 
 
 def _region(chunk: Chunk) -> FileRegion:

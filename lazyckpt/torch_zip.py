@@ -38,6 +38,7 @@ from lazyckpt.zipdir import (
 )
 
 __all__ = [
+    "PickleMemo",
     "StoredTensor",
     "TorchArchive",
     "Unsupported",
@@ -379,15 +380,24 @@ class TorchArchive:
         return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)
 
 
+PickleMemo = dict[tuple[bytes, bool], tuple[Any, list[str]]]
+"""``data.pkl`` bytes (and ``restrict``) -> what unpickling them gave. The rank files of a
+model-parallel checkpoint usually hold the same ``data.pkl`` byte for byte (same keys, shapes and
+storage names), so a set is unpickled once."""
+
+
 def read_torch_archive(
     path: Path,
     *,
     restrict: bool = True,
     window: tuple[int, int] | None = None,
     fd: int | None = None,
+    memo: PickleMemo | None = None,
 ) -> TorchArchive:
     """Read the zip directory and ``data.pkl`` of a torch file (or of a zip at
-    ``window=(start, length)`` inside ``path``); no storage byte is read."""
+    ``window=(start, length)`` inside ``path``); no storage byte is read. With ``memo``, a
+    ``data.pkl`` already unpickled for another file is not unpickled again (the result is
+    shared: treat it as read-only)."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -401,7 +411,7 @@ def read_torch_archive(
         span = ZipSpan(fd, start, length)
         _check_magic(path, span.read(0, 4), window)
         try:
-            return _read_archive(path, span, restrict)
+            return _read_archive(path, span, restrict, memo)
         except ZipError as exc:
             raise CorruptModelCheckpointError(
                 path, f"not a readable torch zip archive: {exc}"
@@ -426,7 +436,9 @@ def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> Non
     )
 
 
-def _read_archive(path: Path, span: ZipSpan, restrict: bool) -> TorchArchive:
+def _read_archive(
+    path: Path, span: ZipSpan, restrict: bool, memo: PickleMemo | None
+) -> TorchArchive:
     records, directory = read_directory(span)
     pickles = [r for r in records if r.name.endswith("data.pkl") and r.name.count("/") <= 1]
     if len(pickles) != 1:
@@ -472,6 +484,16 @@ def _read_archive(path: Path, span: ZipSpan, restrict: bool) -> TorchArchive:
         raise CorruptModelCheckpointError(
             path, "data.pkl fails its zip CRC check: the file is damaged; copy it again"
         )
+    known = None if memo is None else memo.get((data, restrict))
+    if known is None:
+        known = _unpickle(path, data, restrict)
+        if memo is not None:
+            memo[(data, restrict)] = known
+    obj, forbidden = known
+    return TorchArchive(path, obj, storages, forbidden)
+
+
+def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str]]:
     unpickler = _IndexUnpickler(data, restrict=restrict)
     try:
         obj = unpickler.load()
@@ -483,7 +505,7 @@ def _read_archive(path: Path, span: ZipSpan, restrict: bool) -> TorchArchive:
         raise CorruptModelCheckpointError(
             path, f"data.pkl cannot be unpickled ({type(exc).__name__}: {exc})"
         ) from None
-    return TorchArchive(path, obj, storages, unpickler.forbidden)
+    return obj, unpickler.forbidden
 
 
 # -- state dicts -----------------------------------------------------------------------------

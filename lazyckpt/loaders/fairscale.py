@@ -21,7 +21,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_archive
+from lazyckpt.torch_zip import PickleMemo, StoredTensor, TorchArchive, read_torch_archive
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -126,8 +126,9 @@ def _read_ranks(
     files: list[Path], restrict: bool
 ) -> list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]:
     out = []
+    memo: PickleMemo = {}
     for f in files:
-        archive = read_torch_archive(f, restrict=restrict)
+        archive = read_torch_archive(f, restrict=restrict, memo=memo)
         out.append((f, archive, archive.state_dict()))
     return out
 

@@ -19,7 +19,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_archive
+from lazyckpt.torch_zip import PickleMemo, StoredTensor, TorchArchive, read_torch_archive
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -88,7 +88,8 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             grid_files = [_numbered(tp, _SDP, False) for tp in _numbered(stage, _TP, True)]
             tp_size = len(grid_files)
             sdp_size = max(len(row) for row in grid_files)
-            grid = [[self._read(f, options.restrict) for f in row] for row in grid_files]
+            memo: PickleMemo = {}
+            grid = [[self._read(f, options.restrict, memo) for f in row] for row in grid_files]
             files += [f for row in grid_files for f in row]
             first_file, (_, first) = grid_files[0][0], grid[0][0]
             for row_files, row in zip(grid_files, grid):
@@ -141,8 +142,10 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         )
 
     @staticmethod
-    def _read(f: Path, restrict: bool) -> tuple[TorchArchive, dict[str, StoredTensor]]:
-        archive = read_torch_archive(f, restrict=restrict)
+    def _read(
+        f: Path, restrict: bool, memo: PickleMemo
+    ) -> tuple[TorchArchive, dict[str, StoredTensor]]:
+        archive = read_torch_archive(f, restrict=restrict, memo=memo)
         return archive, archive.state_dict()
 
 
