@@ -24,7 +24,12 @@ from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, LazyRegion, Tenso
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
-from lazyckpt.torch_zip import StoredTensor, read_torch_archive, restricted_find_class
+from lazyckpt.torch_zip import (
+    PickleMemo,
+    StoredTensor,
+    read_torch_archive,
+    restricted_find_class,
+)
 
 __all__ = ["DcpCheckpointLoader", "read_dcp_metadata"]
 
@@ -148,6 +153,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 where[(fqn, offset)] = info
         files: dict[str, tuple[Path, int]] = {}
         entries: dict[str, TensorEntry] = {}
+        memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         notes = []
         for fqn, md in tensors.items():
             if isinstance(md, BytesStorageMetadata):
@@ -197,7 +203,15 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                         offsets,
                         sizes,
                         self._chunk_data(
-                            folder, meta_path, files, fqn, info, dtype, sizes, options.restrict
+                            folder,
+                            meta_path,
+                            files,
+                            fqn,
+                            info,
+                            dtype,
+                            sizes,
+                            options.restrict,
+                            memo,
                         ),
                     )
                 )
@@ -222,6 +236,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         dtype: torch.dtype,
         sizes: tuple[int, ...],
         restrict: bool,
+        memo: PickleMemo,
     ) -> LazyRegion:
         rel = getattr(info, "relative_path", None)
         span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
@@ -248,7 +263,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 f"{size}; it is truncated: copy it again",
                 key=fqn,
             )
-        locate = functools.partial(_locate, file, offset, length, fqn, dtype, sizes, restrict)
+        locate = functools.partial(_locate, file, offset, length, fqn, dtype, sizes, restrict, memo)
         return LazyRegion(file, locate)
 
 
@@ -260,10 +275,11 @@ def _locate(
     dtype: torch.dtype,
     sizes: tuple[int, ...],
     restrict: bool,
+    memo: PickleMemo,
 ) -> FileRegion:
     """Open the chunk's inner torch zip and find its storage record (header reads only)."""
     try:
-        archive = read_torch_archive(file, restrict=restrict, window=(offset, length))
+        archive = read_torch_archive(file, restrict=restrict, window=(offset, length), memo=memo)
     except CorruptModelCheckpointError as exc:
         raise CorruptModelCheckpointError(
             file, f"key {fqn!r}: the chunk at byte {offset}: {exc}", key=fqn
