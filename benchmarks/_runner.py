@@ -140,6 +140,51 @@ def prep_limit_preadv(ctx: Ctx) -> Timed:
     return run
 
 
+def _limit_boxes(ctx: Ctx) -> list[tuple[Path, int, tuple[int, ...], list[tuple[int, int]]]]:
+    """``(file, data offset, shape, box)`` per key of the HF safetensors files."""
+    out = []
+    for f in ctx.hf_files():
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for key, info in header.items():
+            if key != "__metadata__" and box_numel(ctx.boxes[key]) > 0:
+                begin = info["data_offsets"][0]
+                out.append((f, 8 + n + begin, tuple(info["shape"]), ctx.boxes[key]))
+    return out
+
+
+def prep_limit_box(ctx: Ctx) -> Timed:
+    """The limit, literally: copy the same bytes, each key's box as the file stores it
+    (strided rows for TP boxes on dim 1), from fresh mappings into one prefaulted buffer."""
+    boxes = _limit_boxes(ctx)
+    total = sum(2 * box_numel(b) for _, _, _, b in boxes)
+    buf = torch.ones(total // 2, dtype=torch.bfloat16)
+
+    def run() -> dict[str, Any]:
+        maps: dict[Path, tuple[int, mmap.mmap]] = {}
+        pos = 0
+        for path, offset, shape, b in boxes:
+            if path not in maps:
+                fd = os.open(path, os.O_RDONLY)
+                maps[path] = (fd, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            numel = 1
+            for s in shape:
+                numel *= s
+            full = torch.frombuffer(maps[path][1], dtype=torch.bfloat16, count=numel, offset=offset)
+            src = full.view(shape)[tuple(slice(lo, hi) for lo, hi in b)]
+            n = box_numel(b)
+            buf[pos : pos + n].view(src.shape).copy_(src)
+            del src, full
+            pos += n
+        for fd, m in maps.values():
+            m.close()
+            os.close(fd)
+        return {"bytes_read": total, "checksum": None}
+
+    return run
+
+
 def prep_limit_mmap(ctx: Ctx) -> Timed:
     reads = _limit_reads(ctx)
     total = sum(n for _, _, n in reads)
@@ -435,7 +480,8 @@ def prep_dcp_load(ctx: Ctx) -> Timed:
 
 PREPARERS: dict[str, Callable[[Ctx], Timed]] = {
     "limit:preadv": prep_limit_preadv,
-    "limit:mmap-copy": prep_limit_mmap,
+    "limit:mmap-copy": prep_limit_box,
+    "ideal:contiguous": prep_limit_mmap,
     "lazyckpt": prep_lazy,
     "lazyckpt(pread)": prep_lazy_pread,
     "lazyckpt+copy": prep_lazy_copy,

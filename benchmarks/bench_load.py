@@ -33,6 +33,9 @@ from _ckpt import GB, MB, SCENARIOS, box, box_numel
 import lazyckpt
 
 LIMITS = ("limit:preadv", "limit:mmap-copy")
+"""Rows whose best is the scenario's limit: copying the same bytes (see benchmarks/README.md)."""
+IDEAL = "ideal:contiguous"
+"""The same number of bytes copied as contiguous ranges: a reference no strided box reaches."""
 
 
 def rows_for(has_load_into: bool) -> list[dict[str, str]]:
@@ -43,7 +46,7 @@ def rows_for(has_load_into: bool) -> list[dict[str, str]]:
         def add(fmt: str, loader: str, sc: _ckpt.Scenario = sc) -> None:
             rows.append({"scenario": sc.name, "fmt": fmt, "loader": loader})
 
-        for name in LIMITS:
+        for name in (*LIMITS, IDEAL):
             add("hf", name)
         if has_load_into:
             for fmt in ("mp8", "hf", "dcp"):
@@ -159,6 +162,12 @@ def summarize(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             if r["scenario"] == name and r["loader"] in LIMITS and "gbps" in r
         ]
         info["limit_gbps"] = max(limits) if limits else None
+        ideal = [
+            r["gbps"]
+            for r in rows
+            if r["scenario"] == name and r["loader"] == IDEAL and "gbps" in r
+        ]
+        info["ideal_gbps"] = ideal[0] if ideal else None
         info["bound"] = info["largest"] + 64 * (1 << 20)
     for r in rows:
         lim = by_sc[r["scenario"]]["limit_gbps"]
@@ -174,12 +183,14 @@ def targets(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[str, 
         if "gbps" not in r:
             continue
         if r["loader"] == "load_into":
+            ideal = by_sc[r["scenario"]].get("ideal_gbps")
             out.append(
                 {
                     "target": "load_into >= 0.7x limit",
                     "scenario": r["scenario"],
                     "fmt": r["fmt"],
                     "value": round(r["x_limit"], 3),
+                    "x_ideal": round(r["gbps"] / ideal, 3) if ideal else None,
                     "met": r["x_limit"] >= 0.7,
                 }
             )
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             r
             for r in rows
-            if r["loader"].startswith("limit")
+            if r["loader"].startswith(("limit", "ideal"))
             or any(w in f"{r['scenario']} {r['fmt']} {r['loader']}" for w in wanted)
         ]
 
@@ -409,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         tag = "MET " if c["met"] else "MISS"
         where = f"{c['scenario']} {c['fmt']} {c.get('loader', '')}".strip()
-        print(f"[{tag}] {c['target']}: {where}: {c['value']}")
+        extra = f" (x ideal:contiguous {c['x_ideal']})" if c.get("x_ideal") else ""
+        print(f"[{tag}] {c['target']}: {where}: {c['value']}{extra}")
     if args.json is not None:
         doc = {
             "machine": machine,

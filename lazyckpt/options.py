@@ -49,9 +49,11 @@ class ModelCheckpointLoadOptions:
     matrix), as ``torch.chunk`` would give it; ``True`` copies such boxes instead."""
     prefetch_bytes: int = 32 * MiB
     """Budget of a background thread that builds the next tensors while the caller works on the
-    current one. One tensor is always built ahead when none is waiting, so the loader holds at
-    most the largest tensor plus this budget; zero-copy views cost nothing and are not
-    prefetched. 0 turns it off."""
+    current one. A built tensor counts until the caller frees it, and one tensor is always built
+    ahead when none is waiting, so the loader holds at most the largest tensor plus this budget.
+    Within that same bound, the memory of tensors the caller has freed is kept and reused for
+    the next ones (the kernel then need not zero new pages). Zero-copy views cost nothing and
+    are not prefetched. 0 turns prefetching off."""
     verify_replicas: bool = True
     """For model-parallel sources, compare the copies of a replicated key (up to
     ``verify_replicas_max_bytes``) among the files this rank reads anyway."""

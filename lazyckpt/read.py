@@ -92,6 +92,7 @@ class Reader:
         self.stats = stats
         self._files: dict[Path, _OpenFile] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def __enter__(self) -> Reader:
         return self
@@ -103,6 +104,7 @@ class Reader:
         files, self._files = self._files, {}
         for f in files.values():
             f.close()
+        self._local = threading.local()  # the caller's bounce buffer (a worker's went with it)
 
     def _open(self, path: Path) -> _OpenFile:
         f = self._files.get(path)
@@ -121,6 +123,16 @@ class Reader:
     def _mapping(self, f: _OpenFile) -> mmap.mmap:
         with self._lock:
             return f.mapping()
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """A byte buffer of at least ``nbytes`` for slab reads, one per thread, kept for the
+        load: a fresh buffer per slab would be zeroed by the kernel each time, and glibc keeps
+        freed blocks of this size around."""
+        buf: torch.Tensor | None = getattr(self._local, "bounce", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = alloc.empty((max(nbytes, _SLAB_BYTES),), torch.uint8)
+            self._local.bounce = buf
+        return buf
 
     def _flat(self, f: _OpenFile, dtype: torch.dtype, shift: int) -> torch.Tensor:
         """The whole mapped file as a flat ``dtype`` tensor starting at byte ``shift``: copies
@@ -246,7 +258,7 @@ class Reader:
         for r0 in range(0, rows, per_slab):
             r1 = min(rows, r0 + per_slab)
             count = (r1 - r0 - 1) * row_step + inner_span
-            bounce = torch.empty(count, dtype=dtype)
+            bounce = self._bounce(count * itemsize).view(dtype)[:count]
             memory = _memory(bounce.data_ptr(), count * itemsize)
             _pread_into(f, first + r0 * row_step * itemsize, memory, key)
             target[r0:r1].copy_(bounce.as_strided((r1 - r0, *inner), region.strides))
