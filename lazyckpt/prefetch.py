@@ -7,12 +7,12 @@ are built by the caller when their turn comes: handing them between threads, or 
 ahead (faulting their pages in), measured slower than building them in place, since the worker
 and the caller then contend for the GIL.
 
-The budget bounds how far the worker runs ahead: the bytes of built items the caller has not
-taken, plus the built buffers still alive (with ``watch``, a buffer counts until it is freed,
-wherever it went; without, until it is handed over). One item is always allowed when nothing is
-waiting and the live buffers fit in the budget, so a tensor larger than the budget is still
-built ahead; memory held by the loader thus stays below the largest tensor plus the budget, even
-while the caller still holds the previous large one.
+The budget bounds how far the worker runs ahead, counting the bytes of built items the caller
+has not taken plus the built buffers still alive (with ``watch``, a buffer counts until it is
+freed, wherever it went; without, until it is handed over). A tensor larger than the budget is
+built ahead only when nothing else waits and the live buffers fit in the budget, or when the
+caller waits for it. A caller that frees each tensor before taking the next thus never has more
+than the largest tensor plus the budget alive; one that keeps tensors only stops the read-ahead.
 """
 
 from __future__ import annotations
