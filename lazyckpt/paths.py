@@ -9,6 +9,7 @@ snapshots are folders of symlinks into ``../../blobs``.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from lazyckpt.errors import CorruptModelCheckpointError
@@ -39,6 +40,14 @@ def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
             "an index may only name files inside its own folder",
         )
     full = folder / name
+    if "/" not in name and "\\" not in name:
+        # A plain name that is a regular file, not a symlink, is inside the folder as it
+        # stands: one lstat instead of resolving every component of the path.
+        try:
+            if stat.S_ISREG(os.lstat(full).st_mode):
+                return full
+        except OSError:
+            pass  # missing or unreadable: the slow path below says which
     try:
         resolved = full.resolve(strict=True)
     except FileNotFoundError:

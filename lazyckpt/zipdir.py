@@ -85,12 +85,13 @@ class ZipSpan:
 
     def read(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer at the archive's end)."""
-        n = max(0, min(n, self.length - offset))
-        if n == 0 or offset < 0:
+        n = min(n, self.length - offset)
+        if n <= 0 or offset < 0:
             return b""
-        for base, block in self._blocks:
-            if base <= offset and offset + n <= base + len(block):
-                return block[offset - base : offset - base + n]
+        end = offset + n
+        for base, block in self._blocks:  # kept blocks lie inside the archive
+            if base <= offset and end <= base + len(block):
+                return block[offset - base : end - base]
         return os.pread(self.fd, n, self.start + offset)
 
     def keep(self, offset: int, n: int) -> bytes:
