@@ -155,3 +155,21 @@ def test_buffer_pool_reuses_freed_mappings_within_its_capacity() -> None:
     pool.close()
     assert pool.free_bytes == 0
     assert pool.empty((1 * MB,), torch.uint8).numel() == MB  # small: a plain tensor
+
+
+def test_the_loader_keeps_no_yielded_tensor_alive(tmp_path: Path) -> None:
+    # Casts make copies: each yielded tensor is a pool buffer that only the caller may hold.
+    sd = {f"k{i}": torch.randn(1024, 1024) for i in range(6)}
+    save_file(sd, tmp_path / "m.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16, prefetch_bytes=8 * MB)
+    leases: list[weakref.ref[object]] = []
+    for key, t in lazyckpt.get_model_checkpoint_loader().lazy_load(
+        tmp_path / "m.safetensors", {}, opts
+    ):
+        assert same_bits(t, sd[key].to(torch.float16))
+        owner = alloc.owner(t)
+        assert owner is not None
+        leases.append(weakref.ref(owner))
+        del t, owner
+        assert all(ref() is None for ref in leases[:-1]), "an earlier tensor is still alive"
+    assert len(leases) == len(sd) and all(ref() is None for ref in leases)
