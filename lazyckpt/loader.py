@@ -182,7 +182,10 @@ def _stream(
     stats.start()
     # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
     # bound as the prefetcher's memory: the largest tensor plus the budget.
-    largest = max((p.nbytes for p in plans), default=0)
+    largest = max(
+        (p.box.numel * output_dtype(p.entry.dtype, options.dtype).itemsize for p in plans),
+        default=0,
+    )
     with (
         Reader(use_mmap=options.mmap, stats=stats) as reader,
         bar,
