@@ -120,8 +120,10 @@ def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
     end = tail_start + at  # where the directory should end, if no zip64 records sit between
     loc = at - _LOCATOR.size
     if loc >= 0 and tail[loc : loc + 4] == _LOCATOR_SIG:
-        _, _, eocd64_at, _ = _LOCATOR.unpack_from(tail, loc)
-        rec = span.read(eocd64_at, _EOCD64.size)
+        # The zip64 end record sits right before its locator; reading it there (as zipfile
+        # does) instead of at the locator's offset also holds when bytes were prepended.
+        eocd64_at = tail_start + loc - _EOCD64.size
+        rec = span.read(eocd64_at, _EOCD64.size) if eocd64_at >= 0 else b""
         if len(rec) < _EOCD64.size or rec[:4] != _EOCD64_SIG:
             raise ZipError("the zip64 end-of-directory record is missing or damaged")
         _, _, _, _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset = _EOCD64.unpack(rec)

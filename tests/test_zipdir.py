@@ -91,3 +91,15 @@ def test_damage_is_a_zip_error(tmp_path: Path) -> None:
         zf.writestr("a/data.pkl", b"p" * 1000)
     with pytest.raises(ZipError, match="compressed"):
         _records(compressed)
+
+
+def test_a_zip64_torch_file_behind_a_prefix(tmp_path: Path) -> None:
+    # torch writes zip64 end records for large files; prepended bytes must not misplace them.
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(40 << 20, dtype=torch.uint8)}, path)
+    data = path.read_bytes()
+    assert b"PK\x06\x06" in data[-200:], "expected zip64 end records"
+    assert _records(path) == _oracle(data)
+    shifted = tmp_path / "shifted.pt"
+    shifted.write_bytes(b"\0" * 4096 + data)
+    assert _records(shifted) == _oracle(shifted.read_bytes())
