@@ -100,12 +100,29 @@ def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece
     return out
 
 
+def _raw(
+    plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece], *, count: bool = True
+) -> bytes | None:
+    """The box's bytes in ``copy`` when it is one small range of a mapped file, else None."""
+    if len(pieces) != 1 or pieces[0].sizes != plan.box.sizes:
+        return None
+    chunk = plan.entry.copies[copy][pieces[0].chunk]
+    return reader.raw(chunk, plan.entry.dtype, pieces[0], plan.entry.checkpoint_key, count=count)
+
+
 def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> None:
+    # Small replicas stored as one range (norms) are compared as bytes of the mapped files:
+    # no tensor to build per copy. ``first_raw`` is read once, uncounted (``first`` was).
+    first_raw = _raw(plan, reader, plan.copy, plan.pieces, count=False)
     for copy, pieces in plan.verify:
-        other = _replica(plan, reader, copy, pieces)  # counted as read, and as verified:
-        if reader.stats is not None:
+        other_raw = _raw(plan, reader, copy, pieces) if first_raw is not None else None
+        if reader.stats is not None:  # counted as read (by the reads), and as verified
             reader.stats.add_verified(plan.nbytes)
-        if not same_bits(first, other):
+        if other_raw is not None:
+            same = other_raw == first_raw
+        else:
+            same = same_bits(first, _replica(plan, reader, copy, pieces))
+        if not same:
             a = plan.chunks[plan.pieces[0].chunk].path if plan.pieces else None
             b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None
             raise CorruptModelCheckpointError(

@@ -37,6 +37,8 @@ _MIN_RUN_BYTES = 64 << 10
 """Runs at least this long get a ``pread`` each; shorter ones are read in slabs."""
 _SLAB_BYTES = 8 << 20
 """Largest bounce buffer for slab reads."""
+_RAW_BYTES = 1 << 20
+"""Largest piece :meth:`Reader.raw` hands out as bytes (a copy; replica norms are a few KiB)."""
 
 
 class _OpenFile:
@@ -169,6 +171,25 @@ class Reader:
         self._count(region.path, piece.numel * dtype.itemsize)
         flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
         return flat.as_strided(piece.sizes, region.strides)
+
+    def raw(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, count: bool = True
+    ) -> bytes | None:
+        """The bytes of ``piece`` when they are one range of a mapped file no larger than
+        ``_RAW_BYTES`` (else None): replica checks compare these, without building tensors.
+        ``count=False``: bytes already counted as read (a second look at them)."""
+        if not self.use_mmap or isinstance(chunk.data, torch.Tensor):
+            return None
+        nbytes = piece.numel * dtype.itemsize
+        if nbytes > _RAW_BYTES:
+            return None
+        region = _region(chunk)
+        if not is_dense(piece.sizes, region.strides):
+            return None
+        f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+        if count:
+            self._count(region.path, nbytes)
+        return self._mapping(f)[first : first + nbytes]
 
     def copy(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
