@@ -9,6 +9,7 @@ import torch
 
 from lazyckpt import alloc
 from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.index import Chunk
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
@@ -86,17 +87,25 @@ def fill(
         _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, key)
 
 
+def _whole(plan: TensorPlan, copy: int, pieces: Sequence[Piece]) -> tuple[Chunk, Piece] | None:
+    """The chunk and piece when ``copy`` gives the whole target box as one piece."""
+    if len(pieces) != 1 or pieces[0].sizes != plan.box.sizes:
+        return None
+    return plan.entry.copies[copy][pieces[0].chunk], pieces[0]
+
+
 def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece]) -> torch.Tensor:
     """The target box as ``copy`` holds it: a view of the mapped file when the copy gives the
     box as one piece, else a new tensor."""
     dtype, key = plan.entry.dtype, plan.entry.checkpoint_key
-    chunks = plan.entry.copies[copy]
-    if len(pieces) == 1 and pieces[0].sizes == plan.box.sizes:
-        view = reader.view(chunks[pieces[0].chunk], dtype, pieces[0], key)
+    whole = _whole(plan, copy, pieces)
+    if whole is not None:
+        chunk, piece = whole
+        view = reader.view(chunk, dtype, piece, key)
         if view is not None:
             return view
     out = torch.empty(plan.box.sizes, dtype=dtype)
-    _fill(reader, chunks, dtype, pieces, out, key)
+    _fill(reader, plan.entry.copies[copy], dtype, pieces, out, key)
     return out
 
 
@@ -104,10 +113,11 @@ def _raw(
     plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece], *, count: bool = True
 ) -> bytes | None:
     """The box's bytes in ``copy`` when it is one small range of a mapped file, else None."""
-    if len(pieces) != 1 or pieces[0].sizes != plan.box.sizes:
+    whole = _whole(plan, copy, pieces)
+    if whole is None:
         return None
-    chunk = plan.entry.copies[copy][pieces[0].chunk]
-    return reader.raw(chunk, plan.entry.dtype, pieces[0], plan.entry.checkpoint_key, count=count)
+    chunk, piece = whole
+    return reader.raw(chunk, plan.entry.dtype, piece, plan.entry.checkpoint_key, count=count)
 
 
 def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> None:

@@ -180,12 +180,17 @@ def _stream(
     total = sum(p.nbytes for p in plans)
     bar = byte_bar(total, "loading", enabled=options.progress)
     stats.start()
+
+    def out_dtype(plan: TensorPlan) -> torch.dtype:
+        return output_dtype(plan.entry.dtype, options.dtype)
+
+    def out_bytes(plan: TensorPlan) -> int:
+        """Memory the delivered tensor takes (a cast to a wider dtype takes more)."""
+        return plan.box.numel * out_dtype(plan).itemsize
+
     # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
     # bound as the prefetcher's memory: the largest tensor plus the budget.
-    largest = max(
-        (p.box.numel * output_dtype(p.entry.dtype, options.dtype).itemsize for p in plans),
-        default=0,
-    )
+    largest = max((out_bytes(p) for p in plans), default=0)
     with (
         Reader(use_mmap=options.mmap, stats=stats) as reader,
         bar,
@@ -193,11 +198,10 @@ def _stream(
     ):
 
         def build(plan: TensorPlan) -> tuple[TensorPlan, torch.Tensor, bool]:
-            out = output_dtype(plan.entry.dtype, options.dtype)
             tensor, is_view = build_tensor(
                 plan,
                 reader,
-                out,
+                out_dtype(plan),
                 device=device,
                 pool=pool,
                 contiguous=options.contiguous,
@@ -212,13 +216,13 @@ def _stream(
                 and options.mmap
                 and not options.contiguous
                 and device.type == "cpu"
-                and output_dtype(plan.entry.dtype, options.dtype) == plan.entry.dtype
+                and out_dtype(plan) == plan.entry.dtype
             )
 
         items = prefetched(
             plans,
             build,
-            nbytes=lambda plan: plan.nbytes,
+            nbytes=out_bytes,
             inline=yields_view,
             budget=options.prefetch_bytes,
             watch=lambda built: alloc.owner(built[1]),

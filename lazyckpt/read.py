@@ -143,9 +143,11 @@ class Reader:
         flat = f.flats.get((dtype, shift))
         if flat is None:
             with self._lock:
-                count = (f.size - shift) // dtype.itemsize
-                flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=shift)
-                f.flats[(dtype, shift)] = flat
+                flat = f.flats.get((dtype, shift))  # another thread may have made it
+                if flat is None:
+                    count = (f.size - shift) // dtype.itemsize
+                    flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=shift)
+                    f.flats[(dtype, shift)] = flat
         return flat
 
     def _count(self, path: Path, nbytes: int) -> None:
