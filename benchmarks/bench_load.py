@@ -386,7 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rep in range(repeats):
             for r, spec in zip(rows, specs):
+                # Re-read the row's files right before it runs: this host's DAMON pages out
+                # page cache untouched for about a minute, so a warm-once cache goes cold
+                # during the run (benchmarks/README.md, "Method").
+                source = [Path(paths[r["fmt"]])]
+                cached = _ckpt.cached_fraction(source)
+                _ckpt.warm(source)
                 res = measure(ctx, spec, args.sample_ms / 1000, timeout=900)
+                res["cached_before_warm"] = cached
                 r["runs"].append(res)
                 if "error" in res:
                     print(
@@ -418,6 +425,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{repeats} run(s), each in a fresh process, warm page cache; CPU capacity "
         f"{capacity[0]} -> {capacity[-1]} cores"
     )
+    before = [
+        x["cached_before_warm"]
+        for r in rows
+        for x in r["runs"]
+        if x.get("cached_before_warm", -1) >= 0
+    ]
+    if before:
+        print(
+            f"page cache held {min(before) * 100:.0f}%-{max(before) * 100:.0f}% "
+            f"(median {statistics.median(before) * 100:.0f}%) of a row's files before they were "
+            "re-read for it"
+        )
     print(table(rows, meta))
     comparison = versus(rows)
     print()
