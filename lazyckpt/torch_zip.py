@@ -29,10 +29,9 @@ import torch
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import FileRegion
 from lazyckpt.zipdir import (
-    LOCAL_HEADER_BYTES,
     ZipError,
     ZipSpan,
-    check_no_overlap,
+    check_layout,
     read_directory,
     record_data,
 )
@@ -452,22 +451,21 @@ def _read_archive(
     n = len(prefix)
     # Local headers are checked for the records we read; the others (version, serialization
     # id) only bound their neighbours in the overlap check, from their header offset.
-    starts = []
+    ends: list[int | None] = []
     for r in records:
         rest = r.name[n:] if r.name.startswith(prefix) else ""
+        end: int | None = None
         if rest.startswith("data/"):
-            at = record_data(span, r)
+            at, end = record_data(span, r)
             storages[rest[5:]] = (base + at, r.size)
         elif rest == "data.pkl":
-            at = record_data(span, r)
+            at, end = record_data(span, r)
             pkl = (at, r.size)
         elif rest == "byteorder":
-            at = record_data(span, r)
+            at, end = record_data(span, r)
             order = (at, r.size)
-        else:
-            at = r.header_offset + LOCAL_HEADER_BYTES + len(r.raw_name)
-        starts.append(at)
-    check_no_overlap(records, starts, directory)
+        ends.append(end)
+    check_layout(records, ends, directory)
     if order is not None:
         byteorder = span.read(*order)
         if byteorder != b"little":

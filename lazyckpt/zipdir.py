@@ -22,7 +22,7 @@ __all__ = [
     "ZipError",
     "ZipRecord",
     "ZipSpan",
-    "check_no_overlap",
+    "check_layout",
     "read_directory",
     "record_data",
 ]
@@ -213,9 +213,15 @@ def _zip64_fields(extra: bytes, size: int, csize: int, offset: int) -> tuple[int
     raise ZipError("a record needs a zip64 extra field and has none")
 
 
-def record_data(span: ZipSpan, record: ZipRecord) -> int:
-    """Where ``record``'s data starts, after checking its local header against the directory
-    (a damaged length there would silently shift where the data is read from)."""
+def record_data(span: ZipSpan, record: ZipRecord) -> tuple[int, int]:
+    """Where ``record``'s data starts and where the record ends, after checking its local
+    header against the directory.
+
+    A damaged name or extra length in the local header would silently shift where the data is
+    read from, and an extra length of 0 is well-formed. So the record's end is checked too: a
+    record flagged with a data descriptor (torch writes one after every record) must be
+    followed by one that repeats the directory's CRC-32 and size; the caller checks that the
+    next record starts right at the end (:func:`check_layout`)."""
     head = span.read(record.header_offset, _LOCAL.size + len(record.raw_name) + _LOCAL_GUESS)
     if len(head) < _LOCAL.size:
         raise ZipError(f"record {record.name}: its local header is truncated")
@@ -236,24 +242,58 @@ def record_data(span: ZipSpan, record: ZipRecord) -> int:
     if pos != len(extra) or len(head) < need:
         raise ZipError(f"record {record.name}: malformed extra field in its local header")
     start = record.header_offset + need
-    if start + record.size > span.length:
+    end = start + record.size
+    if end > span.length:
         raise ZipError(
             f"record {record.name} ({record.size} bytes at {start}) runs past the end of the "
             f"{span.length}-byte archive; the file is truncated: copy it again"
         )
-    return start
+    if record.flags & _DESCRIPTOR:
+        end += _descriptor_length(span.read(end, _DESCRIPTOR_MAX), record)
+    return start, end
 
 
-def check_no_overlap(records: list[ZipRecord], starts: list[int], directory: int) -> None:
-    """Records must not overlap each other or the central directory; a flagged data descriptor
-    follows a record's data (16 bytes, 24 in zip64)."""
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+_DESCRIPTOR_MAX = 24
+"""The longest data descriptor: signature, CRC-32 and two 64-bit sizes (zip64)."""
+
+
+def _descriptor_length(data: bytes, record: ZipRecord) -> int:
+    """The length of the data descriptor at the start of ``data`` (with or without its
+    optional signature, 32- or 64-bit sizes), which must repeat the record's CRC and size."""
+    for at in (4, 0) if data[:4] == _DESCRIPTOR_SIG else (0,):
+        for fmt in ("<3I", "<I2Q"):
+            n = struct.calcsize(fmt)
+            if len(data) >= at + n and struct.unpack_from(fmt, data, at) == (
+                record.crc,
+                record.size,
+                record.size,
+            ):
+                return at + n
+    raise ZipError(
+        f"record {record.name}: its data does not end where its local header says (no data "
+        "descriptor with its CRC and size follows it); the file is damaged: copy it again"
+    )
+
+
+def check_layout(records: list[ZipRecord], ends: list[int | None], directory: int) -> None:
+    """Records lie back to back, as every zip writer lays them: the end of a record whose
+    local header was read (``ends[i]``, its data descriptor included) is where the next record
+    or the central directory starts. ``ends[i] is None``: a record not read, only checked to
+    start before the next one (names and padding unknown)."""
     order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
     for j, i in enumerate(order):
         r = records[i]
-        tail = 16 if r.flags & _DESCRIPTOR else 0  # the zip64 form is longer: 16 is a floor
         limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
-        if starts[i] + r.size + tail > limit:
+        end = ends[i]
+        if end is None:
+            if r.header_offset + LOCAL_HEADER_BYTES + len(r.raw_name) + r.size > limit:
+                raise ZipError(
+                    f"record {r.name} overlaps what follows it; the zip directory is damaged: "
+                    "copy the file again"
+                )
+        elif end != limit:
             raise ZipError(
-                f"record {r.name} overlaps what follows it; the zip directory is damaged: copy "
-                "the file again"
+                f"record {r.name} {'overlaps' if end > limit else 'ends before'} what follows "
+                "it; a local header or the zip directory is damaged: copy the file again"
             )

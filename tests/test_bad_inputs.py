@@ -649,6 +649,50 @@ def pt_file(tmp_path: Path) -> Path:
     return path
 
 
+def _set_local_extra_length(path: Path, record: str, n_extra: int) -> None:
+    """Overwrite the extra-field length in the local header of ``record`` (2 bytes at 28)."""
+    with zipfile.ZipFile(path) as zf:
+        offset = zf.getinfo(record).header_offset
+    raw = bytearray(path.read_bytes())
+    raw[offset + 28 : offset + 30] = struct.pack("<H", n_extra)
+    path.write_bytes(bytes(raw))
+
+
+def test_torch_local_extra_length_damage_is_caught(pt_file: Path) -> None:
+    # torch pads each record's data to 64 bytes with an extra field; a length of 0 is still a
+    # well-formed header, and would move the data start onto the padding. The data descriptor
+    # that torch writes after every record no longer follows the data: refused.
+    record = _storage_key(pt_file, "pt_key_weight")
+    with zipfile.ZipFile(pt_file) as zf:
+        assert zf.getinfo(record).flag_bits & 0x08  # torch writes data descriptors
+    _set_local_extra_length(pt_file, record, 0)
+    fails(pt_file, CORRUPT, ("model.pt", "data descriptor"), eager=True)
+
+
+@pytest.mark.parametrize("shift", ["later", "earlier"])
+def test_torch_rewritten_zip_with_shifted_data_is_caught(tmp_path: Path, shift: str) -> None:
+    # A zip rewritten without data descriptors (zipfile), so only the place of the next record
+    # tells where a record must end. "later": the first four tensor bytes read as an empty
+    # extra field (id 0x0201, length 0), so a local header claiming 4 bytes of extra is
+    # well-formed and moves the data 4 bytes on. "earlier": the record carries a 4-byte extra
+    # field whose length is set to 0, moving the data 4 bytes back. Either way refused.
+    ids = torch.tensor([0x0201, 7, 8, 9], dtype=torch.int32)
+    src, path = tmp_path / "src.pt", tmp_path / "rezipped.pt"
+    torch.save({"ids": ids}, src)
+    record = _storage_key(src, "ids")
+    with zipfile.ZipFile(src) as zin:
+        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
+    with zipfile.ZipFile(path, "w") as zout:
+        for name, data in records:
+            info = zipfile.ZipInfo(name)
+            if name == record and shift == "earlier":
+                info.extra = struct.pack("<2H", 0xCAFE, 0)
+            zout.writestr(info, data)
+    assert_same(load(path), {"ids": ids})
+    _set_local_extra_length(path, record, 4 if shift == "later" else 0)
+    fails(path, CORRUPT, ("rezipped.pt",), eager=True)
+
+
 def test_torch_not_a_zip(tmp_path: Path) -> None:
     (tmp_path / "noise.pt").write_bytes(b"this is not a zip archive at all" * 4)
     (tmp_path / "tiny.bin").write_bytes(b"PK")

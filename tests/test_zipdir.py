@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazyckpt.zipdir import ZipError, ZipSpan, check_no_overlap, read_directory, record_data
+from lazyckpt.zipdir import ZipError, ZipSpan, check_layout, read_directory, record_data
 
 
 def _records(path: Path, start: int = 0, length: int | None = None) -> dict[str, bytes]:
@@ -19,10 +19,10 @@ def _records(path: Path, start: int = 0, length: int | None = None) -> dict[str,
         size = os.fstat(fd).st_size
         span = ZipSpan(fd, start, size - start if length is None else length)
         records, directory = read_directory(span)
-        starts = [record_data(span, r) for r in records]
-        check_no_overlap(records, starts, directory)
+        placed = [record_data(span, r) for r in records]
+        check_layout(records, [end for _, end in placed], directory)
         raw = path.read_bytes()
-        return {r.name: raw[start + at : start + at + r.size] for r, at in zip(records, starts)}
+        return {r.name: raw[start + at : start + at + r.size] for r, (at, _) in zip(records, placed)}
     finally:
         os.close(fd)
 
