@@ -34,20 +34,23 @@ def build_tensor(
     contiguous: bool = False,
     buffers: alloc.BufferPool | None = None,
 ) -> tuple[torch.Tensor, bool]:
-    """The target tensor of ``plan`` and whether it is a view of a mapped file.
+    """The target tensor of ``plan`` and whether it is a view of mapped files.
 
-    A box inside one chunk, with no cast, is a view (strided unless ``contiguous``); anything
-    else is copied into one new buffer (from ``buffers`` when given)."""
+    A box inside one chunk, with no cast, is a view (strided unless ``contiguous``); a box that
+    several chunks fill with contiguous pieces may be a stitched view of them
+    (:mod:`lazyckpt.stitch`); anything else is copied into one new buffer (from ``buffers``
+    when given)."""
     on_cpu = device is None or device.type == "cpu"
-    if on_cpu and plan.may_be_view and out_dtype == plan.entry.dtype:
-        piece = plan.pieces[0]
-        view = reader.view(
-            plan.chunks[piece.chunk],
-            plan.entry.dtype,
-            piece,
-            plan.entry.checkpoint_key,
-            strided=not contiguous,
-        )
+    if on_cpu and out_dtype == plan.entry.dtype:
+        view = None
+        key = plan.entry.checkpoint_key
+        if plan.may_be_view:
+            piece = plan.pieces[0]
+            view = reader.view(
+                plan.chunks[piece.chunk], plan.entry.dtype, piece, key, strided=not contiguous
+            )
+        elif plan.may_stitch:
+            view = reader.stitch(plan.chunks, plan.entry.dtype, plan.pieces, plan.box.sizes, key)
         if view is not None:
             return view, True
     if on_cpu:

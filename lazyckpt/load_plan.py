@@ -12,14 +12,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazyckpt import stitch
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, Chunk, TensorEntry
+from lazyckpt.index import CheckpointIndex, Chunk, TensorEntry, contiguous_strides
 from lazyckpt.layout import Layout
 from lazyckpt.plan import (
     Box,
     Piece,
     PlanError,
     check_tiling,
+    is_dense,
     normalize_dim,
     plan_pieces,
     target_box,
@@ -62,6 +64,18 @@ class TensorPlan:
     def may_be_view(self) -> bool:
         """True when the box is all of one chunk's piece; the reader decides if it is dense."""
         return len(self.pieces) == 1 and self.pieces[0].sizes == self.box.sizes and not self.verify
+
+    @property
+    def may_stitch(self) -> bool:
+        """True when the box spans several chunks whose pieces each fill one contiguous range
+        of it: the reader may lay them out as one view (:mod:`lazyckpt.stitch`) when each is
+        also contiguous in its file and their offsets agree modulo the page size."""
+        if not 1 < len(self.pieces) <= stitch.MAX_RUNS or self.verify:
+            return False
+        if self.nbytes < stitch.MIN_BYTES:
+            return False
+        strides = contiguous_strides(self.box.sizes)
+        return all(is_dense(p.sizes, strides) for p in self.pieces)
 
     def files(self) -> set[Path]:
         return _files(self.chunks, self.pieces)

@@ -210,14 +210,11 @@ def _stream(
             return plan, tensor, is_view
 
         def yields_view(plan: TensorPlan) -> bool:
-            """Whether the caller gets a view of the mapping (built inline, no memory)."""
-            return (
-                plan.may_be_view
-                and options.mmap
-                and not options.contiguous
-                and device.type == "cpu"
-                and out_dtype(plan) == plan.entry.dtype
-            )
+            """Whether the caller may get a view of mapped files (built inline, no memory; a
+            stitched view the files' offsets do not allow is copied inline instead)."""
+            if not (options.mmap and device.type == "cpu" and out_dtype(plan) == plan.entry.dtype):
+                return False
+            return (plan.may_be_view and not options.contiguous) or plan.may_stitch
 
         items = prefetched(
             plans,

@@ -16,11 +16,13 @@ __all__ = [
     "PlanError",
     "Piece",
     "Runs",
+    "Stitch",
     "check_tiling",
     "chunk_bounds",
     "contiguous_runs",
     "intersect",
     "plan_pieces",
+    "plan_stitch",
     "target_box",
 ]
 
@@ -269,3 +271,58 @@ def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:
 def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     """True when a strided view covers one contiguous row-major range of its storage."""
     return contiguous_runs(sizes, strides, strides).outer_sizes == () or any(s == 0 for s in sizes)
+
+
+@dataclass(frozen=True)
+class Stitch:
+    """How to lay byte ranges of files back to back in one new virtual range, mapping whole
+    pages of the files into it and copying only the partial pages at the seams.
+
+    The range is ``size`` bytes (whole pages); the stitched bytes start at ``shift``. Entries of
+    ``maps`` and ``copies`` are ``(run, at, file_offset, length)``: bytes ``[at, at + length)``
+    of the range come from ``run``'s file at ``file_offset``. Maps are page-aligned on both
+    sides; together with the copies they cover ``[shift, shift + total)`` exactly once.
+    """
+
+    shift: int
+    size: int
+    maps: tuple[tuple[int, int, int, int], ...]
+    copies: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m[3] for m in self.maps)
+
+
+def plan_stitch(runs: Sequence[tuple[int, int, int]], page: int) -> Stitch | None:
+    """Stitch ``runs``, each ``(dst, src, length)`` in bytes, that tile ``[0, total)`` of the
+    destination in order, from file offsets ``src`` (each run its own file).
+
+    A file page can be mapped at a virtual page only when both offsets agree modulo the page
+    size, so this is possible only when ``src - dst`` is the same modulo ``page`` for every run
+    (``None`` otherwise). That holds where rank files share one layout and shards are whole
+    pages, as in Meta's model-parallel checkpoints.
+    """
+    if not runs or page <= 0:
+        return None
+    shift = (runs[0][1] - runs[0][0]) % page
+    at = 0
+    maps: list[tuple[int, int, int, int]] = []
+    copies: list[tuple[int, int, int, int]] = []
+    for k, (dst, src, length) in enumerate(runs):
+        if dst != at or length <= 0 or (src - dst) % page != shift:
+            return None
+        at += length
+        lo, hi = shift + dst, shift + dst + length  # where the run lies in the range
+        first = -(-lo // page) * page  # whole pages inside [lo, hi)
+        last = hi // page * page
+        if last <= first:  # inside one or two pages: copy it all
+            copies.append((k, lo, src, length))
+            continue
+        if lo < first:
+            copies.append((k, lo, src, first - lo))
+        maps.append((k, first, src + (first - lo), last - first))
+        if last < hi:
+            copies.append((k, last, src + (last - lo), hi - last))
+    size = -(-(shift + at) // page) * page
+    return Stitch(shift=shift, size=size, maps=tuple(maps), copies=tuple(copies))

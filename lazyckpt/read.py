@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from lazyckpt import alloc
+from lazyckpt import alloc, stitch
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import Chunk, FileRegion, LazyRegion
-from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, span
+from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
+from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
 from lazyckpt.stats import LoadStats
 
 __all__ = ["Reader"]
@@ -173,6 +173,55 @@ class Reader:
         self._count(region.path, piece.numel * dtype.itemsize)
         flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
         return flat.as_strided(piece.sizes, region.strides)
+
+    def stitch(
+        self,
+        chunks: Sequence[Chunk],
+        dtype: torch.dtype,
+        pieces: Sequence[Piece],
+        sizes: tuple[int, ...],
+        key: str,
+    ) -> torch.Tensor | None:
+        """A zero-copy view of a box that several chunks fill, each with one contiguous range
+        of its file that is also one contiguous range of the box (see :mod:`lazyckpt.stitch`),
+        or None when the pieces do not allow it (the caller copies)."""
+        if not self.use_mmap or not stitch.available() or not 1 < len(pieces) <= stitch.MAX_RUNS:
+            return None
+        itemsize = dtype.itemsize
+        box_strides = contiguous_strides(sizes)
+        runs: list[tuple[int, int, int]] = []
+        files: list[_OpenFile] = []
+        regions: list[FileRegion] = []
+        for piece in pieces:
+            chunk = chunks[piece.chunk]
+            if isinstance(chunk.data, torch.Tensor) or not is_dense(piece.sizes, box_strides):
+                return None
+            region = _region(chunk)
+            if not is_dense(piece.sizes, region.strides):
+                return None
+            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            dst = element_offset(piece.dst_offsets, box_strides) * itemsize
+            runs.append((dst, first, piece.numel * itemsize))
+            files.append(f)
+            regions.append(region)
+        order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+        plan = plan_stitch([runs[i] for i in order], stitch.PAGE)
+        total = sum(r[2] for r in runs)
+        # Worth it only when nearly all of the box is mapped, not copied at the seams.
+        if plan is None or plan.shift % itemsize or 4 * plan.mapped_bytes < 3 * total:
+            return None
+        ordered = [files[i] for i in order]
+
+        def read(run: int, offset: int, length: int) -> bytes:
+            return self._mapping(ordered[run])[offset : offset + length]
+
+        region_map = stitch.build(plan, [f.fd for f in ordered], read)
+        if region_map is None:
+            return None
+        for i in order:
+            self._count(regions[i].path, runs[i][2])
+        flat = torch.frombuffer(region_map, dtype=dtype, count=total // itemsize, offset=plan.shift)
+        return flat.view(sizes)
 
     def raw(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, count: bool = True

@@ -3,6 +3,7 @@ reassembly; no files involved."""
 
 from __future__ import annotations
 
+import random
 import pytest
 import torch
 from helpers import chunk_of, expected, same_bits
@@ -18,6 +19,7 @@ from lazyckpt.plan import (
     contiguous_runs,
     intersect,
     plan_pieces,
+    plan_stitch,
     target_box,
 )
 
@@ -182,3 +184,48 @@ def test_contiguous_runs_merge_trailing_dims() -> None:
     assert (runs.length, runs.count) == (48, 1)
     # Size-1 dims never split a run.
     assert contiguous_runs((1, 5, 1), (99, 1, 7), (5, 1, 1)).count == 1
+
+
+@given(data=st.data(), page=st.sampled_from([8, 64, 4096]), congruent=st.booleans())
+def test_stitch_plan_lays_the_runs_back_to_back(
+    data: st.DataObject, page: int, congruent: bool
+) -> None:
+    """Maps (whole pages, page-aligned on both sides) and seam copies rebuild the runs'
+    bytes in order, each byte once; runs whose offsets disagree modulo the page are refused."""
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    shift = data.draw(st.integers(0, page - 1))
+    lengths = data.draw(st.lists(st.integers(1, 5 * page), min_size=1, max_size=6))
+    files, runs, dst = [], [], 0
+    for length in lengths:
+        if congruent:
+            src = dst + shift + page * data.draw(st.integers(0, 3))
+        else:
+            src = data.draw(st.integers(0, 3 * page))
+        files.append(rng.randbytes(src + length + data.draw(st.integers(0, page))))
+        runs.append((dst, src, length))
+        dst += length
+    plan = plan_stitch(runs, page)
+    agree = len({(src - d) % page for d, src, _ in runs}) == 1
+    if not agree:
+        assert plan is None
+        return
+    assert plan is not None
+    assert plan.size % page == 0 and plan.shift == (runs[0][1] - runs[0][0]) % page
+    memory, covered = bytearray(plan.size), [0] * plan.size
+    for run, at, offset, length in plan.maps:
+        assert at % page == 0 and offset % page == 0 and length % page == 0 and length > 0
+    for run, at, offset, length in (*plan.maps, *plan.copies):
+        memory[at : at + length] = files[run][offset : offset + length]
+        for i in range(at, at + length):
+            covered[i] += 1
+    want = b"".join(files[k][src : src + n] for k, (_, src, n) in enumerate(runs))
+    assert bytes(memory[plan.shift : plan.shift + dst]) == want
+    assert covered[plan.shift : plan.shift + dst] == [1] * dst
+    assert not any(covered[: plan.shift]) and not any(covered[plan.shift + dst :])
+    assert plan.mapped_bytes == sum(m[3] for m in plan.maps)
+
+
+def test_stitch_plan_refuses_runs_that_do_not_tile() -> None:
+    assert plan_stitch([(0, 0, 8), (16, 8, 8)], 8) is None  # a gap in the destination
+    assert plan_stitch([(0, 0, 0)], 8) is None
+    assert plan_stitch([], 8) is None
