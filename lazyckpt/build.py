@@ -3,7 +3,7 @@ filled through a small pool of pinned staging buffers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -12,9 +12,9 @@ from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
-from lazyckpt.read import Reader
+from lazyckpt.read import DirectRead, Reader
 
-__all__ = ["PinnedPool", "build_tensor", "fill", "output_dtype", "same_bits"]
+__all__ = ["PinnedPool", "build_tensor", "fill", "fill_all", "output_dtype", "same_bits"]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -72,10 +72,7 @@ def fill(
     """
     key = plan.entry.checkpoint_key
     src_dtype = plan.entry.dtype
-    if tuple(dst.shape) != plan.box.sizes:
-        raise ValueError(
-            f"key {key!r}: destination shape {tuple(dst.shape)} is not the box {plan.box.sizes}"
-        )
+    _check_box(plan, dst)
     if plan.verify:
         # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype,
         # as views of the mapped files where each copy is one piece, else as copies.
@@ -88,6 +85,79 @@ def fill(
         _fill_cuda(plan, reader, dst, pool, key)
     else:
         _fill(reader, plan.chunks, src_dtype, plan.pieces, dst, key)
+
+
+_BATCH_BYTES = 256 << 20
+""":func:`fill_all` reads this much between progress updates."""
+
+
+def fill_all(
+    plans: Sequence[TensorPlan],
+    destinations: Mapping[str, torch.Tensor],
+    reader: Reader,
+    *,
+    pool: PinnedPool | None = None,
+    done: Callable[[TensorPlan], None] | None = None,
+) -> None:
+    """:func:`fill` for every plan (``load_into``), with what can be read straight into place
+    read by ``preadv`` on two threads (:meth:`Reader.direct_reads`), in batches of about
+    ``_BATCH_BYTES``; ``done(plan)`` is called as each batch completes.
+
+    Pieces with short strided rows, replicas to compare and CUDA destinations go through
+    :func:`fill`'s copies."""
+    batch: list[TensorPlan] = []
+    size = 0
+    for plan in plans:
+        batch.append(plan)
+        size += plan.nbytes
+        if size >= _BATCH_BYTES:
+            _fill_batch(batch, destinations, reader, pool, done)
+            batch, size = [], 0
+    if batch:
+        _fill_batch(batch, destinations, reader, pool, done)
+
+
+def _fill_batch(
+    plans: Sequence[TensorPlan],
+    destinations: Mapping[str, torch.Tensor],
+    reader: Reader,
+    pool: PinnedPool | None,
+    done: Callable[[TensorPlan], None] | None,
+) -> None:
+    calls: list[DirectRead] = []
+    rest: list[tuple[TensorPlan, Piece | None]] = []
+    for plan in plans:
+        dst = destinations[plan.key]
+        _check_box(plan, dst)
+        if plan.verify or dst.device.type != "cpu":
+            rest.append((plan, None))
+            continue
+        for piece in plan.pieces:
+            chunk = plan.chunks[piece.chunk]
+            key = plan.entry.checkpoint_key
+            direct = reader.direct_reads(chunk, plan.entry.dtype, piece, dst, key)
+            if direct is None:
+                rest.append((plan, piece))
+            else:
+                calls.extend(direct)
+    reader.read_all(calls)
+    for plan, only in rest:
+        dst = destinations[plan.key]
+        if only is None:
+            fill(plan, reader, dst, pool=pool)
+        else:
+            _fill(reader, plan.chunks, plan.entry.dtype, (only,), dst, plan.entry.checkpoint_key)
+    if done is not None:
+        for plan in plans:
+            done(plan)
+
+
+def _check_box(plan: TensorPlan, dst: torch.Tensor) -> None:
+    if tuple(dst.shape) != plan.box.sizes:
+        raise ValueError(
+            f"key {plan.entry.checkpoint_key!r}: destination shape {tuple(dst.shape)} is not the "
+            f"box {plan.box.sizes}"
+        )
 
 
 def _whole(plan: TensorPlan, copy: int, pieces: Sequence[Piece]) -> tuple[Chunk, Piece] | None:

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from lazyckpt import alloc
-from lazyckpt.build import PinnedPool, fill
+from lazyckpt.build import PinnedPool, fill_all
 from lazyckpt.errors import ModelCheckpointError
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import plan_load
+from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.plan import Box
@@ -253,11 +253,13 @@ def load_into(
     stats = report.stats
     stats.start()
     bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
+
+    def done(plan: TensorPlan) -> None:
+        stats.add_delivered(plan.nbytes, view=False)
+        bar.update(plan.nbytes)
+
     with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
-        for plan in plans:
-            fill(plan, reader, destinations[plan.key], pool=pool)
-            stats.add_delivered(plan.nbytes, view=False)
-            bar.update(plan.nbytes)
+        fill_all(plans, destinations, reader, pool=pool, done=done)
         if pool is not None:
             pool.synchronize()
     _install_materialized(targets, destinations)

@@ -16,6 +16,7 @@ Files are opened on first use, so a file that holds no byte of the target is nev
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import mmap
 import os
@@ -25,16 +26,21 @@ from pathlib import Path
 
 import torch
 
-from lazyckpt import alloc, stitch
+from lazyckpt import alloc, stitch, unmap
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
 from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
 from lazyckpt.stats import LoadStats
 
-__all__ = ["Reader"]
+__all__ = ["DirectRead", "Reader"]
 
 _MIN_RUN_BYTES = 64 << 10
-"""Runs at least this long get a ``pread`` each; shorter ones are read in slabs."""
+"""Runs at least this long get a ``pread`` each (or an iovec of one); shorter ones are read in
+slabs, or copied from the mapping."""
+_CALL_BYTES = 16 << 20
+"""Largest single ``preadv`` of :meth:`Reader.direct_reads` (so two threads can share a box)."""
+_IOV_MAX = 1024
+"""Iovecs per ``preadv`` (Linux's ``IOV_MAX``)."""
 _SLAB_BYTES = 8 << 20
 """Largest bounce buffer for slab reads."""
 _RAW_BYTES = 1 << 20
@@ -52,14 +58,16 @@ class _OpenFile:
         except OSError:
             os.close(self.fd)
             raise
-        self._map: mmap.mmap | None = None
+        self._map: ctypes.Array[ctypes.c_char] | None = None
         self.flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         """Flat tensors over the mapping, by dtype and start byte (see ``Reader._flat``)."""
 
-    def mapping(self) -> mmap.mmap:
+    def mapping(self) -> ctypes.Array[ctypes.c_char]:
+        """The whole file mapped copy-on-write (``MAP_PRIVATE``: views are writable, writes
+        never reach the file), as a lease that unmaps it off the caller's thread once the
+        reader and every view are done with it (:mod:`lazyckpt.unmap`)."""
         if self._map is None:
-            # ACCESS_COPY is MAP_PRIVATE: views are writable, writes never reach the file.
-            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+            self._map = unmap.lease(mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY))
         return self._map
 
     def check_range(self, start: int, stop: int, key: str) -> None:
@@ -73,10 +81,9 @@ class _OpenFile:
             )
 
     def close(self) -> None:
-        # The mapping is never closed by hand: tensors from ``torch.frombuffer`` hold a
-        # reference to it but not a buffer export, so closing it under a live view would
-        # unmap memory the view still reads (a crash). Dropping our reference lets the last
-        # view free it.
+        # The mapping is never closed by hand: closing it under a live view would unmap
+        # memory the view still reads (a crash). Dropping our reference lets the last view
+        # free it.
         self.flats.clear()
         self._map = None
         os.close(self.fd)
@@ -122,7 +129,7 @@ class Reader:
                         ) from exc
         return f
 
-    def _mapping(self, f: _OpenFile) -> mmap.mmap:
+    def _mapping(self, f: _OpenFile) -> ctypes.Array[ctypes.c_char]:
         with self._lock:
             return f.mapping()
 
@@ -213,14 +220,16 @@ class Reader:
         ordered = [files[i] for i in order]
 
         def read(run: int, offset: int, length: int) -> bytes:
-            return self._mapping(ordered[run])[offset : offset + length]
+            return _bytes(self._mapping(ordered[run]), offset, length)
 
-        region_map = stitch.build(plan, [f.fd for f in ordered], read)
-        if region_map is None:
+        built = stitch.build(plan, [f.fd for f in ordered], read)
+        if built is None:
             return None
+        buffer = unmap.lease(built)
+        del built
         for i in order:
             self._count(regions[i].path, runs[i][2])
-        flat = torch.frombuffer(region_map, dtype=dtype, count=total // itemsize, offset=plan.shift)
+        flat = torch.frombuffer(buffer, dtype=dtype, count=total // itemsize, offset=plan.shift)
         return flat.view(sizes)
 
     def raw(
@@ -240,7 +249,7 @@ class Reader:
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         if count:
             self._count(region.path, nbytes)
-        return self._mapping(f)[first : first + nbytes]
+        return _bytes(self._mapping(f), first, nbytes)
 
     def copy(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
@@ -262,6 +271,84 @@ class Reader:
             self._count(region.path, piece.numel * itemsize)
         else:
             self._pread(region, dtype, piece, dst_view, key)
+
+    def direct_reads(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
+    ) -> list[DirectRead] | None:
+        """``preadv`` calls that put ``piece`` straight into its place in ``dst`` (the whole
+        box, on the CPU, of the source dtype), or None when its runs are too short for a system
+        call each (a column slice of a matrix: copy it from the mapping instead).
+
+        A kernel copy from the page cache maps nothing, so it has no page to fault in and none
+        to unmap, and it releases the GIL: two threads copy at once (:meth:`read_all`)."""
+        if isinstance(chunk.data, torch.Tensor) or dst.dtype != dtype or piece.numel == 0:
+            return None
+        if dst.device.type != "cpu":
+            return None
+        region = _region(chunk)
+        itemsize = dtype.itemsize
+        dst_view = _sub(dst, piece.dst_offsets, piece.sizes)
+        if any(st == 0 and n > 1 for st, n in zip(dst_view.stride(), piece.sizes)):
+            return None  # elements share memory (an expanded tensor): copy_ says what is wrong
+        runs = contiguous_runs(piece.sizes, region.strides, tuple(dst_view.stride()))
+        run_bytes = runs.length * itemsize
+        if run_bytes < _MIN_RUN_BYTES:
+            return None
+        f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+        memory = _memory(dst_view.data_ptr(), span(piece.sizes, dst_view.stride()) * itemsize)
+        calls: list[DirectRead] = []
+        for src, at in runs.offsets():
+            offset, at = first + src * itemsize, at * itemsize
+            for done in range(0, run_bytes, _CALL_BYTES):
+                n = min(_CALL_BYTES, run_bytes - done)
+                last = calls[-1] if calls else None
+                if (
+                    last is not None
+                    and last.offset + last.nbytes == offset + done
+                    and last.nbytes + n <= _CALL_BYTES
+                    and len(last.buffers) < _IOV_MAX
+                ):
+                    last.buffers.append(memory[at + done : at + done + n])
+                    last.nbytes += n
+                else:
+                    calls.append(
+                        DirectRead(f, offset + done, [memory[at + done : at + done + n]], n, key)
+                    )
+        return calls
+
+    def read_all(self, calls: Sequence[DirectRead]) -> None:
+        """Run ``calls``, split by bytes between this thread and one helper; the first error
+        (a short read names its file and key) is raised here once both are done."""
+        for c in calls:
+            self._count(c.file.path, c.nbytes)
+        halves: tuple[list[DirectRead], list[DirectRead]] = ([], [])
+        sizes = [0, 0]
+        for c in sorted(calls, key=lambda c: -c.nbytes):
+            i = 0 if sizes[0] <= sizes[1] else 1
+            halves[i].append(c)
+            sizes[i] += c.nbytes
+        if not halves[1]:
+            _run_reads(halves[0])
+            return
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def helper() -> None:
+            try:
+                _run_reads(halves[1])
+            except BaseException as exc:  # re-raised in the caller below
+                errors.append(exc)
+            finally:
+                done.set()
+
+        # Not threading.Thread: its start() waits for the thread to run (see lazyckpt.unmap).
+        _thread.start_new_thread(helper, ())
+        try:
+            _run_reads(halves[0])
+        finally:
+            done.wait()
+        if errors:
+            raise errors[0]
 
     # -- internals ------------------------------------------------------------------------
 
@@ -338,6 +425,38 @@ class Reader:
         return read
 
 
+class DirectRead:
+    """One ``preadv``: ``nbytes`` from ``offset`` of ``file`` into ``buffers`` in order."""
+
+    __slots__ = ("buffers", "file", "key", "nbytes", "offset")
+
+    def __init__(
+        self, file: _OpenFile, offset: int, buffers: list[memoryview], nbytes: int, key: str
+    ) -> None:
+        self.file, self.offset, self.buffers, self.nbytes, self.key = (
+            file,
+            offset,
+            buffers,
+            nbytes,
+            key,
+        )
+
+
+def _run_reads(calls: Sequence[DirectRead]) -> None:
+    for c in calls:
+        got = os.preadv(c.file.fd, c.buffers, c.offset)
+        if got == c.nbytes:
+            continue
+        # A short read (the file shrank, or a signal): finish buffer by buffer, failing at EOF.
+        at = c.offset
+        for buf in c.buffers:
+            take = min(got, len(buf))
+            if take < len(buf):
+                _pread_into(c.file, at + take, buf[take:], c.key)
+            got -= take
+            at += len(buf)
+
+
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """``t[o0:o0+s0, o1:o1+s1, ...]``, as one ``as_strided`` (cheaper than indexing)."""
     if tuple(sizes) == tuple(t.shape):
@@ -355,6 +474,11 @@ def _region(chunk: Chunk) -> FileRegion:
         return data.resolve()
     assert isinstance(data, FileRegion)  # tensors are handled by the callers
     return data
+
+
+def _bytes(mapping: ctypes.Array[ctypes.c_char], start: int, nbytes: int) -> bytes:
+    """A copy of bytes ``[start, start + nbytes)`` of a mapping."""
+    return mapping[start : start + nbytes]  # type: ignore[return-value]  # bytes for c_char
 
 
 def _memory(address: int, nbytes: int) -> memoryview:

@@ -465,7 +465,7 @@ def _read_archive(
             at, end = record_data(span, r)
             order = (at, r.size)
         ends.append(end)
-    check_layout(records, ends, directory)
+    check_layout(span, records, ends, directory)
     if order is not None:
         byteorder = span.read(*order)
         if byteorder != b"little":

@@ -77,11 +77,14 @@ class ZipSpan:
     Blocks passed to :meth:`keep` stay in memory, and reads inside one are served from it.
     """
 
-    __slots__ = ("_blocks", "fd", "length", "start")
+    __slots__ = ("_blocks", "before", "fd", "length", "start")
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         self.fd, self.start, self.length = fd, start, length
         self._blocks: list[tuple[int, bytes]] = []
+        self.before: dict[int, bytes] = {}
+        """Up to ``_DESCRIPTOR_MAX`` bytes right before each local header read so far, by its
+        offset: the data descriptor of the record before it, read in the same call."""
 
     def read(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer at the archive's end)."""
@@ -214,15 +217,18 @@ def _zip64_fields(extra: bytes, size: int, csize: int, offset: int) -> tuple[int
 
 
 def record_data(span: ZipSpan, record: ZipRecord) -> tuple[int, int]:
-    """Where ``record``'s data starts and where the record ends, after checking its local
-    header against the directory.
+    """Where ``record``'s data starts and ends, after checking its local header against the
+    directory.
 
     A damaged name or extra length in the local header would silently shift where the data is
-    read from, and an extra length of 0 is well-formed. So the record's end is checked too: a
-    record flagged with a data descriptor (torch writes one after every record) must be
-    followed by one that repeats the directory's CRC-32 and size; the caller checks that the
-    next record starts right at the end (:func:`check_layout`)."""
-    head = span.read(record.header_offset, _LOCAL.size + len(record.raw_name) + _LOCAL_GUESS)
+    read from, and an extra length of 0 is well-formed. So where the data ends is checked too,
+    by :func:`check_layout`: against the data descriptor that follows (torch writes one after
+    every record) and the next record's start."""
+    at = record.header_offset
+    lead = min(at, _DESCRIPTOR_MAX)
+    head = span.read(at - lead, lead + _LOCAL.size + len(record.raw_name) + _LOCAL_GUESS)
+    span.before[at] = head[:lead]
+    head = head[lead:]
     if len(head) < _LOCAL.size:
         raise ZipError(f"record {record.name}: its local header is truncated")
     fields = _LOCAL.unpack_from(head)
@@ -248,8 +254,6 @@ def record_data(span: ZipSpan, record: ZipRecord) -> tuple[int, int]:
             f"record {record.name} ({record.size} bytes at {start}) runs past the end of the "
             f"{span.length}-byte archive; the file is truncated: copy it again"
         )
-    if record.flags & _DESCRIPTOR:
-        end += _descriptor_length(span.read(end, _DESCRIPTOR_MAX), record)
     return start, end
 
 
@@ -260,7 +264,7 @@ _DESCRIPTOR_MAX = 24
 
 def _descriptor_length(data: bytes, record: ZipRecord) -> int:
     """The length of the data descriptor at the start of ``data`` (with or without its
-    optional signature, 32- or 64-bit sizes), which must repeat the record's CRC and size."""
+    optional signature, 32- or 64-bit sizes) that repeats the record's CRC and size, or 0."""
     for at in (4, 0) if data[:4] == _DESCRIPTOR_SIG else (0,):
         for fmt in ("<3I", "<I2Q"):
             n = struct.calcsize(fmt)
@@ -270,17 +274,17 @@ def _descriptor_length(data: bytes, record: ZipRecord) -> int:
                 record.size,
             ):
                 return at + n
-    raise ZipError(
-        f"record {record.name}: its data does not end where its local header says (no data "
-        "descriptor with its CRC and size follows it); the file is damaged: copy it again"
-    )
+    return 0
 
 
-def check_layout(records: list[ZipRecord], ends: list[int | None], directory: int) -> None:
-    """Records lie back to back, as every zip writer lays them: the end of a record whose
-    local header was read (``ends[i]``, its data descriptor included) is where the next record
-    or the central directory starts. ``ends[i] is None``: a record not read, only checked to
-    start before the next one (names and padding unknown)."""
+def check_layout(
+    span: ZipSpan, records: list[ZipRecord], ends: list[int | None], directory: int
+) -> None:
+    """Records lie back to back, as every zip writer lays them: where the data of a record
+    whose local header was read ends (``ends[i]``), its data descriptor follows if it is
+    flagged with one, repeating the directory's CRC and size, and then the next record or the
+    central directory starts. ``ends[i] is None``: a record not read, only checked to start
+    before the next one (names and padding unknown)."""
     order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
     for j, i in enumerate(order):
         r = records[i]
@@ -292,8 +296,19 @@ def check_layout(records: list[ZipRecord], ends: list[int | None], directory: in
                     f"record {r.name} overlaps what follows it; the zip directory is damaged: "
                     "copy the file again"
                 )
-        elif end != limit:
+            continue
+        gap = limit - end
+        if r.flags & _DESCRIPTOR and 0 < gap <= _DESCRIPTOR_MAX:
+            kept = span.before.get(limit, b"")
+            tail = kept[len(kept) - gap :] if len(kept) >= gap else span.read(end, gap)
+            if _descriptor_length(tail, r) == gap:
+                continue
             raise ZipError(
-                f"record {r.name} {'overlaps' if end > limit else 'ends before'} what follows "
-                "it; a local header or the zip directory is damaged: copy the file again"
+                f"record {r.name}: its data does not end where its local header says (no data "
+                "descriptor with its CRC and size follows it); the file is damaged: copy it again"
+            )
+        if gap != 0 or r.flags & _DESCRIPTOR:
+            raise ZipError(
+                f"record {r.name} {'overlaps' if gap < 0 else 'ends before'} what follows it; a "
+                "local header or the zip directory is damaged: copy the file again"
             )

@@ -20,7 +20,7 @@ def _records(path: Path, start: int = 0, length: int | None = None) -> dict[str,
         span = ZipSpan(fd, start, size - start if length is None else length)
         records, directory = read_directory(span)
         placed = [record_data(span, r) for r in records]
-        check_layout(records, [end for _, end in placed], directory)
+        check_layout(span, records, [end for _, end in placed], directory)
         raw = path.read_bytes()
         return {r.name: raw[start + at : start + at + r.size] for r, (at, _) in zip(records, placed)}
     finally:

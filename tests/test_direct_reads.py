@@ -1,0 +1,135 @@
+"""``load_into`` reads pieces with long runs straight into the parameters with ``preadv`` on two
+threads (``Reader.direct_reads``) and copies the rest from the mapping; both give the oracle's
+bits, whatever the destination's strides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import same_bits
+from safetensors.torch import save_file
+from torch import nn
+
+import lazyckpt
+from lazyckpt.read import DirectRead, Reader, _OpenFile, _run_reads
+
+
+class Wide(nn.Module):
+    """Rows of 128 KiB (direct reads), 2 KiB (copies) and a 0-d buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.zeros(64, 32768))  # 8 MiB, rows of 128 KiB
+        self.w_out = nn.Parameter(torch.zeros(1024, 512))  # 2 MiB, rows of 2 KiB
+        self.register_buffer("scale", torch.tensor(0.0))
+
+
+def truth() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w_in": torch.randn(64, 32768, generator=g),
+        "w_out": torch.randn(1024, 512, generator=g),
+        "scale": torch.tensor(1.5),
+    }
+
+
+@pytest.fixture
+def preadv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes asked for by each ``os.preadv`` (the real one runs)."""
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_whole_tensors_are_read_into_place(
+    tmp_path: Path, kind: str, preadv_calls: list[int]
+) -> None:
+    full = truth()
+    path = tmp_path / ("m.safetensors" if kind == "safetensors" else "m.pt")
+    if kind == "safetensors":
+        save_file(full, path)
+    else:
+        torch.save(full, path)
+    model = Wide()
+    ptr = model.w_in.data_ptr()
+    report = lazyckpt.load_into(model, path)
+    assert report.loaded and model.w_in.data_ptr() == ptr
+    for name, t in full.items():
+        assert same_bits(model.state_dict()[name], t), name
+    assert sum(preadv_calls) >= full["w_in"].nbytes + full["w_out"].nbytes
+
+
+def test_strided_destinations(tmp_path: Path, preadv_calls: list[int]) -> None:
+    # w_in lives in every other row of a larger tensor (runs of 128 KiB, strided: direct reads
+    # with an iovec per row); w_out is a transposed view (runs of one element: copied).
+    full = truth()
+    save_file(full, tmp_path / "m.safetensors")
+    model = Wide()
+    backing = torch.zeros(128, 32768)
+    model.w_in = nn.Parameter(backing[::2])
+    model.w_out = nn.Parameter(torch.zeros(512, 1024).t())
+    lazyckpt.load_into(model, tmp_path / "m.safetensors")
+    assert same_bits(model.w_in.detach(), full["w_in"])
+    assert bool((backing[1::2] == 0).all())  # rows between are untouched
+    assert same_bits(model.w_out.detach(), full["w_out"])
+    assert sum(preadv_calls) >= full["w_in"].nbytes
+
+
+def test_model_parallel_pieces_mix_direct_reads_and_copies(tmp_path: Path) -> None:
+    # MP-2: w_in split on dim 0 (each rank file holds whole rows: direct reads), w_out split on
+    # dim 1 (each rank file holds 1 KiB of every row: copies).
+    full = truth()
+    dims = {"w_in": 0, "w_out": 1}
+    for r in range(2):
+        sd = {k: (v.chunk(2, dims[k])[r].clone() if k in dims else v) for k, v in full.items()}
+        torch.save(sd, tmp_path / f"consolidated.{r:02d}.pth")
+    model = Wide()
+    report = lazyckpt.load_into(model, tmp_path)
+    assert report.shard_dims == dims
+    for name, t in full.items():
+        assert same_bits(model.state_dict()[name], t), name
+
+
+def test_a_read_past_the_end_of_the_file_names_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(256)) * 256)  # 64 KiB
+    f = _OpenFile(path)
+    try:
+        out = bytearray(80_000)
+        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'some\.key'") as info:
+            _run_reads([DirectRead(f, 1000, [memoryview(out)], len(out), "some.key")])
+        assert info.value.path == path
+        assert out[: 65536 - 1000] == (bytes(range(256)) * 256)[1000:]  # what was there
+    finally:
+        f.close()
+
+
+def test_errors_from_the_helper_thread_reach_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 65536)
+    f = _OpenFile(path)
+    reader = Reader()
+    try:
+        # Calls are dealt largest first: the caller takes the good one, the helper the bad one.
+        good = bytearray(60_000)
+        bad = bytearray(40_000)
+        calls = [
+            DirectRead(f, 0, [memoryview(good)], len(good), "good.key"),
+            DirectRead(f, 60_000, [memoryview(bad)], len(bad), "bad.key"),
+        ]
+        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'bad\.key'"):
+            reader.read_all(calls)
+        assert good == b"x" * 60_000
+    finally:
+        f.close()
+        reader.close()
