@@ -30,8 +30,10 @@ class ModelCheckpointLoadOptions:
     layout: Layout | None = None
     """The target rank; ``None`` loads whole tensors."""
     mmap: bool = True
-    """Map files and copy from the mapping (zero-copy views where possible). ``False`` reads with
-    ``pread`` straight into the destination, which suits network filesystems."""
+    """Map files and copy from the mapping, or yield zero-copy views of it where the box lies in
+    one chunk or in chunks whose ranges lie back to back (stitched, :mod:`lazyckpt.stitch`).
+    ``False`` reads with ``pread`` straight into the destination, which suits network
+    filesystems."""
     restrict: bool = True
     """Unpickle torch files with an allow-list (tensors, containers, dtypes only). ``False``
     allows any global, which runs code from the file: only for files you trust."""

@@ -6,7 +6,11 @@ Two ways to reach the bytes, picked by ``ModelCheckpointLoadOptions.mmap``:
   one strided ``Tensor.copy_`` from a view of the mapping, which touches only the pages of the
   piece. When the target box lies in one chunk and no cast is asked, the view itself is yielded
   (strided where the file stores it so, like ``torch.chunk``): zero copies, and writing to it
-  never reaches the file.
+  never reaches the file. A box that several chunks fill with ranges lying back to back is a
+  stitched view (:mod:`lazyckpt.stitch`). Mappings go on the unmapping thread
+  (:mod:`lazyckpt.unmap`) once nothing uses them.
+* **direct reads** (``load_into``): pieces whose runs are long on both sides are read with
+  ``preadv`` into the destination's memory, on two threads, whatever ``mmap`` says.
 * **pread**: contiguous runs are read with ``os.preadv`` straight into the destination's memory;
   rows too short to be worth a system call each are read in slabs through a bounce buffer when
   that at most doubles the bytes read. Suits network filesystems, where mapping is slow.
