@@ -78,6 +78,8 @@ def assemble_grid(
         ) from None
     # Runs once per key and rank file of every model-parallel index: plain loops, and each
     # chunk made once, at its global offsets (TP offset on ``dim``, DP offset on dim 0).
+    if all(len(row) == 1 for row in grid):
+        return first.dtype, *_concat(grid, dim, ndim)
     shape0: tuple[int, ...] | None = None
     offset = 0
     chunks: list[Chunk] = []
@@ -96,6 +98,29 @@ def assemble_grid(
     assert shape0 is not None
     shape = (*shape0[:dim], offset, *shape0[dim + 1 :])
     return first.dtype, shape, (tuple(chunks),)
+
+
+def _concat(
+    grid: Sequence[Sequence[Cell]], dim: int, ndim: int
+) -> tuple[tuple[int, ...], tuple[tuple[Chunk, ...], ...]]:
+    """:func:`assemble_grid` for one shard per TP rank (fairscale files): concatenate on
+    ``dim``."""
+    base = grid[0][0].shape
+    before, after = base[:dim], base[dim + 1 :]
+    chunks = []
+    offset = 0
+    for (c,) in grid:
+        shape = c.shape
+        if shape[:dim] != before or shape[dim + 1 :] != after:
+            raise PlanError(
+                f"shard shapes disagree off the shard dim {dim}: {base} in {grid[0][0].where}, "
+                f"{shape} in {c.where}"
+            )
+        offsets = [0] * ndim
+        offsets[dim] = offset
+        chunks.append(Chunk(tuple(offsets), shape, c.data))
+        offset += shape[dim]
+    return (*before, offset, *after), (tuple(chunks),)
 
 
 def _stack_dp(

@@ -74,10 +74,15 @@ def fill(
     src_dtype = plan.entry.dtype
     _check_box(plan, dst)
     if plan.verify:
-        # Replicas are small (bounded by verify_replicas_max_bytes): compare in the source dtype,
-        # as views of the mapped files where each copy is one piece, else as copies.
-        first = _replica(plan, reader, plan.copy, plan.pieces)
-        _verify(plan, reader, first, key)
+        # Replicas are small (bounded by verify_replicas_max_bytes): compared in the source
+        # dtype, as bytes read with pread where each copy is one small range (norms: nothing
+        # mapped, no tensor per copy), else as views of the mapped files or copies.
+        first_raw = _raw(plan, reader, plan.copy, plan.pieces)
+        if first_raw is not None:
+            first = torch.frombuffer(first_raw, dtype=src_dtype).view(plan.box.sizes)
+        else:
+            first = _replica(plan, reader, plan.copy, plan.pieces)
+        _verify(plan, reader, first, first_raw, key)
         dst.copy_(first)
     elif dst.device.type == "cuda":
         if pool is None:
@@ -182,21 +187,24 @@ def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece
     return out
 
 
-def _raw(
-    plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece], *, count: bool = True
-) -> bytes | None:
-    """The box's bytes in ``copy`` when it is one small range of a mapped file, else None."""
+def _raw(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece]) -> bytearray | None:
+    """The box's bytes in ``copy`` when it is one small range of a file, else None."""
     whole = _whole(plan, copy, pieces)
     if whole is None:
         return None
     chunk, piece = whole
-    return reader.raw(chunk, plan.entry.dtype, piece, plan.entry.checkpoint_key, count=count)
+    return reader.raw(chunk, plan.entry.dtype, piece, plan.entry.checkpoint_key)
 
 
-def _verify(plan: TensorPlan, reader: Reader, first: torch.Tensor, key: str) -> None:
-    # Small replicas stored as one range (norms) are compared as bytes of the mapped files:
-    # no tensor to build per copy. ``first_raw`` is read once, uncounted (``first`` was).
-    first_raw = _raw(plan, reader, plan.copy, plan.pieces, count=False)
+def _verify(
+    plan: TensorPlan,
+    reader: Reader,
+    first: torch.Tensor,
+    first_raw: bytearray | None,
+    key: str,
+) -> None:
+    """Compare every other copy of a replicated key with ``first`` (its bytes ``first_raw``
+    when it was read as bytes)."""
     for copy, pieces in plan.verify:
         other_raw = _raw(plan, reader, copy, pieces) if first_raw is not None else None
         if reader.stats is not None:  # counted as read (by the reads), and as verified

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import _thread
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -236,24 +237,23 @@ class Reader:
         flat = torch.frombuffer(buffer, dtype=dtype, count=total // itemsize, offset=plan.shift)
         return flat.view(sizes)
 
-    def raw(
-        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, count: bool = True
-    ) -> bytes | None:
-        """The bytes of ``piece`` when they are one range of a mapped file no larger than
-        ``_RAW_BYTES`` (else None): replica checks compare these, without building tensors.
-        ``count=False``: bytes already counted as read (a second look at them)."""
-        if not self.use_mmap or isinstance(chunk.data, torch.Tensor):
+    def raw(self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str) -> bytearray | None:
+        """The bytes of ``piece``, read with ``pread``, when they are one range of a file and
+        at most ``_RAW_BYTES`` (else None): replica checks compare these, without mapping the
+        file or building a tensor per copy."""
+        if isinstance(chunk.data, torch.Tensor):
             return None
         nbytes = piece.numel * dtype.itemsize
-        if nbytes > _RAW_BYTES:
+        if not 0 < nbytes <= _RAW_BYTES:
             return None
         region = _region(chunk)
         if not is_dense(piece.sizes, region.strides):
             return None
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        if count:
-            self._count(region.path, nbytes)
-        return _bytes(self._mapping(f), first, nbytes)
+        self._count(region.path, nbytes)
+        out = bytearray(nbytes)
+        _pread_into(f, first, memoryview(out), key)
+        return out
 
     def copy(
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
@@ -291,17 +291,19 @@ class Reader:
             return None
         region = _region(chunk)
         itemsize = dtype.itemsize
-        dst_view = _sub(dst, piece.dst_offsets, piece.sizes)
-        if any(st == 0 and n > 1 for st, n in zip(dst_view.stride(), piece.sizes)):
+        strides = dst.stride()
+        if any(st == 0 and n > 1 for st, n in zip(strides, piece.sizes)):
             return None  # elements share memory (an expanded tensor): copy_ says what is wrong
-        runs = contiguous_runs(piece.sizes, region.strides, tuple(dst_view.stride()))
-        run_bytes = runs.length * itemsize
+        run_bytes, offsets = _run_offsets(piece.sizes, region.strides, strides)
+        run_bytes *= itemsize
         if run_bytes < _MIN_RUN_BYTES:
             return None
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        memory = _memory(dst_view.data_ptr(), span(piece.sizes, dst_view.stride()) * itemsize)
+        # The piece's place in dst, by pointer arithmetic (an as_strided view costs more).
+        address = dst.data_ptr() + element_offset(piece.dst_offsets, strides) * itemsize
+        memory = _memory(address, span(piece.sizes, strides) * itemsize)
         calls: list[DirectRead] = []
-        for src, at in runs.offsets():
+        for src, at in offsets:
             offset, at = first + src * itemsize, at * itemsize
             for done in range(0, run_bytes, _CALL_BYTES):
                 n = min(_CALL_BYTES, run_bytes - done)
@@ -461,6 +463,16 @@ def _run_reads(calls: Sequence[DirectRead]) -> None:
             at += len(buf)
 
 
+@functools.lru_cache(maxsize=1024)
+def _run_offsets(
+    sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...]
+) -> tuple[int, list[tuple[int, int]]]:
+    """The run length and ``(src, dst)`` offsets of every run (:func:`contiguous_runs`), in
+    elements; cached, as a model's layers repeat the same shapes."""
+    runs = contiguous_runs(sizes, src_strides, dst_strides)
+    return runs.length, runs.offsets()
+
+
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """``t[o0:o0+s0, o1:o1+s1, ...]``, as one ``as_strided`` (cheaper than indexing)."""
     if tuple(sizes) == tuple(t.shape):
@@ -485,9 +497,17 @@ def _bytes(mapping: ctypes.Array[ctypes.c_char], start: int, nbytes: int) -> byt
     return mapping[start : start + nbytes]  # type: ignore[return-value]  # bytes for c_char
 
 
+_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_from_memory.restype = ctypes.py_object
+_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
 def _memory(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of tensor memory (the tensor must outlive it)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    """A writable byte view of tensor memory (the tensor must outlive it). One C call: a
+    ``ctypes.c_char * nbytes`` array costs a new ctypes type per length, 30 us each here."""
+    view: memoryview = _from_memory(address, nbytes, _PYBUF_WRITE)
+    return view
 
 
 def _pread_into(f: _OpenFile, offset: int, view: memoryview, key: str) -> None:

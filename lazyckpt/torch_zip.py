@@ -66,6 +66,10 @@ class StoredTensor:
     storage_offset: int
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
+    end: int = -1
+    """One past the last storage element the view reaches, once :meth:`TorchArchive.region`
+    has checked sizes and strides (-1 before). Rank files that share a ``data.pkl`` share
+    their tensors (see ``PickleMemo``), so this is worked out once per set."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -356,9 +360,25 @@ class TorchArchive:
                 f"storage record data/{ref.key} has {length} bytes but the pickle declares "
                 f"{ref.numel} x {itemsize} bytes; the file is truncated or edited: copy it again",
             )
+        end = tensor.end
+        if end < 0:
+            end = tensor.end = self._view_end(tensor, key)
+        if end > ref.numel:
+            raise self._bad(
+                key,
+                f"the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
+                f"{tensor.strides}) reaches past its storage of {ref.numel} elements",
+            )
+        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, tensor.strides)
+
+    def _view_end(self, tensor: StoredTensor, key: str) -> int:
+        """One past the last storage element of ``tensor``'s view, after checking its sizes
+        and strides (for an empty view: its storage offset)."""
         sizes, strides = tensor.sizes, tensor.strides
         if len(sizes) != len(strides):
             raise self._bad(key, f"size {sizes} and stride {strides} differ in rank")
+        if tensor.storage_offset < 0:
+            raise self._bad(key, f"negative storage offset {tensor.storage_offset}")
         last = 0  # the view's last element, relative to its first
         for n, st in zip(sizes, strides):
             if n < 0 or st < 0:
@@ -367,13 +387,7 @@ class TorchArchive:
                 last = -1
                 break
             last += (n - 1) * st
-        if tensor.storage_offset < 0 or tensor.storage_offset + last + 1 > ref.numel:
-            raise self._bad(
-                key,
-                f"the view (offset {tensor.storage_offset}, size {sizes}, stride {strides}) "
-                f"reaches past its storage of {ref.numel} elements",
-            )
-        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, strides)
+        return tensor.storage_offset + last + 1
 
     def _bad(self, key: str, message: str) -> CorruptModelCheckpointError:
         return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)

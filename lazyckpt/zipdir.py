@@ -224,37 +224,39 @@ def record_data(span: ZipSpan, record: ZipRecord) -> tuple[int, int]:
     read from, and an extra length of 0 is well-formed. So where the data ends is checked too,
     by :func:`check_layout`: against the data descriptor that follows (torch writes one after
     every record) and the next record's start."""
+    # Runs once per record of every file indexed: offsets into one buffer, few slices.
     at = record.header_offset
+    raw_name = record.raw_name
     lead = min(at, _DESCRIPTOR_MAX)
-    head = span.read(at - lead, lead + _LOCAL.size + len(record.raw_name) + _LOCAL_GUESS)
-    span.before[at] = head[:lead]
-    head = head[lead:]
-    if len(head) < _LOCAL.size:
+    buf = span.read(at - lead, lead + _LOCAL.size + len(raw_name) + _LOCAL_GUESS)
+    span.before[at] = buf[:lead]
+    if len(buf) < lead + _LOCAL.size:
         raise ZipError(f"record {record.name}: its local header is truncated")
-    fields = _LOCAL.unpack_from(head)
+    fields = _LOCAL.unpack_from(buf, lead)
     n_name, n_extra = fields[9], fields[10]
-    need = _LOCAL.size + n_name + n_extra
-    if len(head) < need:
-        head = span.read(record.header_offset, need)
-    if fields[0] != _LOCAL_SIG or head[_LOCAL.size : _LOCAL.size + n_name] != record.raw_name:
+    name_at = lead + _LOCAL.size
+    end = name_at + n_name + n_extra  # where the data starts, in buf
+    if len(buf) < end:
+        buf = span.read(at - lead, end)
+    if fields[0] != _LOCAL_SIG or buf[name_at : name_at + n_name] != raw_name:
         raise ZipError(
             f"record {record.name}: the local header does not match the zip directory; "
             "the file is damaged: copy it again"
         )
-    extra = head[_LOCAL.size + n_name : need]
-    pos = 0
-    while pos + 4 <= len(extra):
-        pos += 4 + _U16.unpack_from(extra, pos + 2)[0]
-    if pos != len(extra) or len(head) < need:
+    pos = name_at + n_name
+    if len(buf) >= end:
+        while pos + 4 <= end:
+            pos += 4 + _U16.unpack_from(buf, pos + 2)[0]
+    if pos != end:
         raise ZipError(f"record {record.name}: malformed extra field in its local header")
-    start = record.header_offset + need
-    end = start + record.size
-    if end > span.length:
+    start = at + end - lead
+    stop = start + record.size
+    if stop > span.length:
         raise ZipError(
             f"record {record.name} ({record.size} bytes at {start}) runs past the end of the "
             f"{span.length}-byte archive; the file is truncated: copy it again"
         )
-    return start, end
+    return start, stop
 
 
 _DESCRIPTOR_SIG = b"PK\x07\x08"
