@@ -143,6 +143,7 @@ def test_stitched_mappings_go_with_their_tensors(
 ) -> None:
     root, _ = mp_set
     gc.collect()
+    lazyckpt.unmap.wait()  # earlier tests' mappings may still be on their way out
     before = len(mapped_paths(root))
     got, stats = load(root, lazyckpt.Layout(), prefetch_bytes=0)
     assert stats.views >= 2 and len(mapped_paths(root)) > before
