@@ -20,6 +20,7 @@ from torch import nn
 from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill_all
 from lazyckpt.errors import ModelCheckpointError
+from lazyckpt.imported import is_dtensor
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
@@ -75,19 +76,11 @@ class _Target:
 
     @property
     def is_dtensor(self) -> bool:
-        return _is_dtensor(self.tensor)
+        return is_dtensor(self.tensor)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 def _targets(model: nn.Module) -> dict[str, _Target]:

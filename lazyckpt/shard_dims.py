@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import _DP_DIM_NAMES, _TP_DIM_NAMES
 
 __all__ = ["get_shard_dims"]
@@ -49,20 +50,16 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
 
 
 def _has_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    cls = fsdp_module_class()
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
 def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # pragma: no cover
+    if not is_dtensor(param):
         return None
-    if not isinstance(param, DTensor):
-        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert isinstance(param, DTensor)
     mesh = param.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     tp_index = next((names.index(n) for n in _TP_DIM_NAMES if n in names), None)

@@ -3,6 +3,8 @@ torch's own APIs in real gloo process groups and filled from sources of other la
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,20 @@ def test_shard_dims_that_cannot_be_inferred_are_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="cannot infer the shard dim of 'w'"):
         lazyckpt.load_into(M(), tmp_path)
+
+
+def test_a_plain_model_does_not_import_dtensor(tmp_path: Path) -> None:
+    """Asking "is this parameter a DTensor?" of a plain model imports nothing: importing
+    torch.distributed.tensor takes about half a second, more than a small model's load."""
+    save_file({k: v.contiguous() for k, v in OddModel().state_dict().items()}, tmp_path / "m.safetensors")
+    code = (
+        "import sys; from dist_workers import OddModel; import lazyckpt\n"
+        f"m = OddModel(); lazyckpt.load_into(m, {str(tmp_path / 'm.safetensors')!r})\n"
+        "lazyckpt.get_shard_dims(m)\n"
+        "print(sorted(n for n in ('torch.distributed.tensor', 'torch.distributed.fsdp') if n in sys.modules))"
+    )
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,29 @@
+"""torch.distributed classes, looked up only where something already imported them.
+
+``import torch.distributed.tensor`` takes about half a second (it pulls in sympy and torch's
+operator registry): longer than loading a small model, and paid by every ``load_into`` of a
+plain model that merely asked "is this a DTensor?". An object can only be an instance of a class
+whose module was imported, so the question is answered without importing anything: a class
+nobody imported has no instances.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["fsdp_module_class", "is_dtensor"]
+
+
+def _imported(module: str, name: str) -> type | None:
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def is_dtensor(obj: object) -> bool:
+    cls = _imported("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(obj, cls)
+
+
+def fsdp_module_class() -> type | None:
+    """``FSDPModule`` (what ``fully_shard`` makes a module), or None if nothing made one."""
+    return _imported("torch.distributed.fsdp", "FSDPModule")
