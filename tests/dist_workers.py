@@ -6,6 +6,7 @@ Everything here is importable by a spawned child, so it lives at module level.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -186,7 +187,7 @@ def save_fairscale(rank: int, world: int, out: str, llama2: bool, rope: bool, dt
     torch.save(model.state_dict(), Path(out) / f"consolidated.{rank:02d}.pth")
     if rank == 0:
         torch.save(logits, logits_path(Path(out)))
-        (Path(out) / "params.json").write_text('{"dim": %d, "n_layers": %d}' % (DIM, N_LAYERS))
+        (Path(out) / "params.json").write_text(json.dumps({"dim": DIM, "n_layers": N_LAYERS}))
     fsi.destroy_model_parallel()
 
 

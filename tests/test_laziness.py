@@ -68,7 +68,7 @@ def test_bad_calls_fail_before_the_first_next(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no-such"):
         loader.lazy_load(tmp_path / "no-such.safetensors", {})
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="notes.txt"):
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"notes\.txt"):
         loader.lazy_load(tmp_path / "notes.txt", {})
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -97,13 +97,13 @@ def test_impossible_layouts_are_value_errors(fields: dict[str, object], message:
 
 
 def test_bad_options_are_value_errors() -> None:
-    with pytest.raises(ValueError, match="options.dtype"):
+    with pytest.raises(ValueError, match=r"options\.dtype"):
         lazyckpt.ModelCheckpointLoadOptions(dtype="bf16")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="options.prefetch_bytes"):
+    with pytest.raises(ValueError, match=r"options\.prefetch_bytes"):
         lazyckpt.ModelCheckpointLoadOptions(prefetch_bytes=-1)
-    with pytest.raises(ValueError, match="options.layout"):
+    with pytest.raises(ValueError, match=r"options\.layout"):
         lazyckpt.ModelCheckpointLoadOptions(layout=(2, 0))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="options.device"):
+    with pytest.raises(ValueError, match=r"options\.device"):
         lazyckpt.ModelCheckpointLoadOptions(device="warp-drive")
 
 

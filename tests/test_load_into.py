@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from dist_workers import OddModel, check_load_into, odd_model_truth, save_odd_dcp, spawn
 from helpers import same_bits
 from safetensors.torch import save_file

@@ -36,7 +36,7 @@ def oracle(kind: str, path: Path) -> dict[str, torch.Tensor]:
         return load_file(path)
     if path.is_file():
         obj = torch.load(path, weights_only=True)
-        return obj["model"] if "model" in obj else obj
+        return obj.get("model", obj)
     out: dict[str, torch.Tensor] = {}
     for f in sorted(path.iterdir()):
         if f.suffix == ".safetensors":

@@ -3,7 +3,9 @@ reassembly; no files involved."""
 
 from __future__ import annotations
 
+import itertools
 import random
+
 import pytest
 import torch
 from helpers import chunk_of, expected, same_bits
@@ -33,7 +35,7 @@ def test_chunk_bounds_is_torch_chunk(n: int, parts: int) -> None:
     # Every element lands in exactly one chunk, in order.
     bounds = [chunk_bounds(n, parts, i) for i in range(parts)]
     assert bounds[0][0] == 0 and bounds[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
 
 
 def test_chunk_bounds_uneven_vocab() -> None:
@@ -81,12 +83,9 @@ def grids(draw: st.DrawFn) -> tuple[torch.Tensor, int | None, list[list[torch.Te
     def cuts(n: int, parts: int) -> list[int]:
         points = sorted(draw(st.lists(st.integers(0, n), min_size=parts - 1, max_size=parts - 1)))
         edges = [0, *points, n]
-        return [b - a for a, b in zip(edges, edges[1:])]
+        return [b - a for a, b in itertools.pairwise(edges)]
 
-    if dim is None:
-        tp_parts = [full] * tp  # replicas
-    else:
-        tp_parts = list(torch.split(full, cuts(shape[dim], tp), dim))
+    tp_parts = [full] * tp if dim is None else list(torch.split(full, cuts(shape[dim], tp), dim))
     grid = [list(torch.split(p, cuts(p.shape[0], dp), 0)) for p in tp_parts]
     return full, dim, grid
 
@@ -144,9 +143,7 @@ def test_check_tiling_accepts_exact_grids_and_rejects_damage(shape: tuple[int, .
     for n in shape:
         points = sorted(set(data.draw(st.lists(st.integers(1, n), max_size=3))) - {n})
         edges = [0, *points, n]
-        cuts.append(list(zip(edges, edges[1:])))
-    import itertools
-
+        cuts.append(list(itertools.pairwise(edges)))
     boxes = [
         Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo))
         for combo in itertools.product(*cuts)
@@ -212,7 +209,7 @@ def test_stitch_plan_lays_the_runs_back_to_back(
     assert plan is not None
     assert plan.size % page == 0 and plan.shift == (runs[0][1] - runs[0][0]) % page
     memory, covered = bytearray(plan.size), [0] * plan.size
-    for run, at, offset, length in plan.maps:
+    for _, at, offset, length in plan.maps:
         assert at % page == 0 and offset % page == 0 and length % page == 0 and length > 0
     for run, at, offset, length in (*plan.maps, *plan.copies):
         memory[at : at + length] = files[run][offset : offset + length]
