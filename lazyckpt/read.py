@@ -294,9 +294,8 @@ class Reader:
         strides = dst.stride()
         if any(st == 0 and n > 1 for st, n in zip(strides, piece.sizes)):
             return None  # elements share memory (an expanded tensor): copy_ says what is wrong
-        run_bytes, offsets = _run_offsets(piece.sizes, region.strides, strides)
-        run_bytes *= itemsize
-        if run_bytes < _MIN_RUN_BYTES:
+        run_bytes, offsets = _run_offsets(piece.sizes, region.strides, strides, itemsize)
+        if offsets is None:
             return None
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         # The piece's place in dst, by pointer arithmetic (an as_strided view costs more).
@@ -465,12 +464,18 @@ def _run_reads(calls: Sequence[DirectRead]) -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _run_offsets(
-    sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...]
-) -> tuple[int, list[tuple[int, int]]]:
-    """The run length and ``(src, dst)`` offsets of every run (:func:`contiguous_runs`), in
-    elements; cached, as a model's layers repeat the same shapes."""
+    sizes: tuple[int, ...],
+    src_strides: tuple[int, ...],
+    dst_strides: tuple[int, ...],
+    itemsize: int,
+) -> tuple[int, list[tuple[int, int]] | None]:
+    """The run length in bytes and the ``(src, dst)`` element offsets of every run
+    (:func:`contiguous_runs`), or no offsets when runs are shorter than ``_MIN_RUN_BYTES`` (a
+    column block of a matrix has thousands, and is copied from the mapping instead). Cached, as
+    a model's layers repeat the same shapes."""
     runs = contiguous_runs(sizes, src_strides, dst_strides)
-    return runs.length, runs.offsets()
+    run_bytes = runs.length * itemsize
+    return run_bytes, runs.offsets() if run_bytes >= _MIN_RUN_BYTES else None
 
 
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
