@@ -17,7 +17,7 @@ getting one rank's part of every tensor into GPU memory (``torch.cuda.synchroniz
 
 Scenarios: the whole model on one GPU, and TP-2 rank 0. Without a GPU it says so and exits 0.
 Each row runs in this process, best of ``--repeats``; figures are GB/s of delivered bytes and
-the ratio to the best baseline for that source (this machine is shared: ratios, not times).
+the ratio to the baseline on the same source (machines are shared: compare ratios, not times).
 """
 
 from __future__ import annotations

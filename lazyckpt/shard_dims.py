@@ -59,7 +59,7 @@ def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
         return None
     from torch.distributed.tensor import DTensor, Shard
 
-    assert isinstance(param, DTensor)
+    assert isinstance(param, DTensor)  # is_dtensor said so; this narrows the type
     mesh = param.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     tp_index = next((names.index(n) for n in _TP_DIM_NAMES if n in names), None)
