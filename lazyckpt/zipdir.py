@@ -244,10 +244,11 @@ def record_data(span: ZipSpan, record: ZipRecord) -> tuple[int, int]:
             "the file is damaged: copy it again"
         )
     pos = name_at + n_name
-    if len(buf) >= end:
+    truncated = len(buf) < end
+    if not truncated:
         while pos + 4 <= end:
             pos += 4 + _U16.unpack_from(buf, pos + 2)[0]
-    if pos != end:
+    if truncated or pos != end:
         raise ZipError(f"record {record.name}: malformed extra field in its local header")
     start = at + end - lead
     stop = start + record.size
