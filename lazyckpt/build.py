@@ -12,7 +12,7 @@ from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
-from lazyckpt.read import DirectRead, Reader
+from lazyckpt.read import Reader
 
 __all__ = ["PinnedPool", "build_tensor", "fill", "fill_all", "output_dtype", "same_bits"]
 
@@ -129,23 +129,33 @@ def _fill_batch(
     pool: PinnedPool | None,
     done: Callable[[TensorPlan], None] | None,
 ) -> None:
-    calls: list[DirectRead] = []
+    # Direct reads start on a helper thread as soon as the first is worked out, while this
+    # thread works out the rest (for DCP that means finding each chunk's zip) and then checks
+    # replicas (small preads and byte compares); then both threads finish the reads. Copies from
+    # the mappings come last: torch runs them on its own threads, which would contend with the
+    # helper.
+    verified: list[TensorPlan] = []
     rest: list[tuple[TensorPlan, Piece | None]] = []
-    for plan in plans:
-        dst = destinations[plan.key]
-        _check_box(plan, dst)
-        if plan.verify or dst.device.type != "cpu":
-            rest.append((plan, None))
-            continue
-        for piece in plan.pieces:
-            chunk = plan.chunks[piece.chunk]
+    with reader.read_queue() as queue:
+        for plan in plans:
+            dst = destinations[plan.key]
+            _check_box(plan, dst)
+            if dst.device.type != "cpu":
+                rest.append((plan, None))
+                continue
+            if plan.verify:
+                verified.append(plan)
+                continue
             key = plan.entry.checkpoint_key
-            direct = reader.direct_reads(chunk, plan.entry.dtype, piece, dst, key)
-            if direct is None:
-                rest.append((plan, piece))
-            else:
-                calls.extend(direct)
-    reader.read_all(calls)
+            for piece in plan.pieces:
+                chunk = plan.chunks[piece.chunk]
+                direct = reader.direct_reads(chunk, plan.entry.dtype, piece, dst, key)
+                if direct is None:
+                    rest.append((plan, piece))
+                else:
+                    queue.put(direct)
+        for plan in verified:
+            fill(plan, reader, destinations[plan.key], pool=pool)
     for plan, only in rest:
         dst = destinations[plan.key]
         if only is None:

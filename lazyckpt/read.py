@@ -21,6 +21,7 @@ Files are opened on first use, so a file that holds no byte of the target is nev
 from __future__ import annotations
 
 import _thread
+import collections
 import ctypes
 import functools
 import mmap
@@ -37,13 +38,14 @@ from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
 from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
 from lazyckpt.stats import LoadStats
 
-__all__ = ["DirectRead", "Reader"]
+__all__ = ["DirectRead", "ReadQueue", "Reader"]
 
 _MIN_RUN_BYTES = 64 << 10
 """Runs at least this long get a ``pread`` each (or an iovec of one); shorter ones are read in
 slabs, or copied from the mapping."""
-_CALL_BYTES = 16 << 20
-"""Largest single ``preadv`` of :meth:`Reader.direct_reads` (so two threads can share a box)."""
+_CALL_BYTES = 4 << 20
+"""Largest single ``preadv`` of :meth:`Reader.direct_reads`: two threads share a box, and
+finish within one call of each other (:class:`ReadQueue`)."""
 _IOV_MAX = 1024
 """Iovecs per ``preadv`` (Linux's ``IOV_MAX``)."""
 _SLAB_BYTES = 8 << 20
@@ -284,7 +286,7 @@ class Reader:
         call each (a column slice of a matrix: copy it from the mapping instead).
 
         A kernel copy from the page cache maps nothing, so it has no page to fault in and none
-        to unmap, and it releases the GIL: two threads copy at once (:meth:`read_all`)."""
+        to unmap, and it releases the GIL: two threads copy at once (:class:`ReadQueue`)."""
         if isinstance(chunk.data, torch.Tensor) or dst.dtype != dtype or piece.numel == 0:
             return None
         if dst.device.type != "cpu":
@@ -321,39 +323,10 @@ class Reader:
                     )
         return calls
 
-    def read_all(self, calls: Sequence[DirectRead]) -> None:
-        """Run ``calls``, split by bytes between this thread and one helper; the first error
-        (a short read names its file and key) is raised here once both are done."""
-        for c in calls:
-            self._count(c.file.path, c.nbytes)
-        halves: tuple[list[DirectRead], list[DirectRead]] = ([], [])
-        sizes = [0, 0]
-        for c in sorted(calls, key=lambda c: -c.nbytes):
-            i = 0 if sizes[0] <= sizes[1] else 1
-            halves[i].append(c)
-            sizes[i] += c.nbytes
-        if not halves[1]:
-            _run_reads(halves[0])
-            return
-        done = threading.Event()
-        errors: list[BaseException] = []
-
-        def helper() -> None:
-            try:
-                _run_reads(halves[1])
-            except BaseException as exc:  # re-raised in the caller below
-                errors.append(exc)
-            finally:
-                done.set()
-
-        # Not threading.Thread: its start() waits for the thread to run (see lazyckpt.unmap).
-        _thread.start_new_thread(helper, ())
-        try:
-            _run_reads(halves[0])
-        finally:
-            done.wait()
-        if errors:
-            raise errors[0]
+    def read_queue(self) -> ReadQueue:
+        """A queue of :class:`DirectRead` calls that a helper thread starts running as soon as
+        the first is queued (see :class:`ReadQueue`)."""
+        return ReadQueue(self)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -445,6 +418,76 @@ class DirectRead:
             nbytes,
             key,
         )
+
+
+class ReadQueue:
+    """Direct reads run while the caller is still working out the next ones.
+
+    A helper thread is started on the first :meth:`put` and runs calls in queue order while the
+    caller goes on: locating the next chunks (a DCP chunk's zip is found on first use), checking
+    replicas. Leaving the ``with`` block, the caller takes calls from the other end of the queue
+    until none is left, so both cores copy, then waits for the helper. The first error either
+    thread met is raised there; an error in the caller's block drops what is still queued.
+
+    ``preadv`` releases the GIL, so the helper copies while the caller runs Python. Calls are at
+    most ``_CALL_BYTES``, so the two threads finish within one call of each other.
+    """
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._calls: collections.deque[DirectRead] = collections.deque()
+        self._queued = threading.Semaphore(0)
+        """One token per queued call, taken before a call is popped (so a pop never finds the
+        queue empty), plus one when the caller is done: the helper's signal to stop."""
+        self._done: threading.Event | None = None
+        self._errors: list[BaseException] = []
+
+    def __enter__(self) -> ReadQueue:
+        return self
+
+    def put(self, calls: Sequence[DirectRead]) -> None:
+        if not calls:
+            return
+        for c in calls:
+            self._reader._count(c.file.path, c.nbytes)
+        self._calls.extend(calls)
+        self._queued.release(len(calls))
+        if self._done is None:
+            self._done = threading.Event()
+            # Not threading.Thread: its start() waits for the thread to run (see lazyckpt.unmap).
+            _thread.start_new_thread(self._helper, ())
+
+    def _helper(self) -> None:
+        assert self._done is not None
+        try:
+            while True:
+                self._queued.acquire()
+                try:
+                    call = self._calls.popleft()
+                except IndexError:  # the caller's stop token: nothing is left
+                    return
+                _run_reads((call,))
+        except BaseException as exc:  # re-raised by the caller in __exit__
+            self._errors.append(exc)
+        finally:
+            self._done.set()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                while self._queued.acquire(blocking=False):
+                    _run_reads((self._calls.pop(),))
+        except BaseException:
+            self._calls.clear()  # the helper stops at its next call
+            raise
+        finally:
+            if self._done is not None:
+                self._queued.release()
+                if exc_type is not None:
+                    self._calls.clear()
+                self._done.wait()
+        if self._errors:
+            raise self._errors[0]
 
 
 def _run_reads(calls: Sequence[DirectRead]) -> None:

@@ -5,6 +5,7 @@ bits, whatever the destination's strides."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -120,16 +121,53 @@ def test_errors_from_the_helper_thread_reach_the_caller(tmp_path: Path) -> None:
     f = _OpenFile(path)
     reader = Reader()
     try:
-        # Calls are dealt largest first: the caller takes the good one, the helper the bad one.
-        good = bytearray(60_000)
         bad = bytearray(40_000)
-        calls = [
-            DirectRead(f, 0, [memoryview(good)], len(good), "good.key"),
-            DirectRead(f, 60_000, [memoryview(bad)], len(bad), "bad.key"),
-        ]
-        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'bad\.key'"):
-            reader.read_all(calls)
-        assert good == b"x" * 60_000
+        error = pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'bad\.key'")
+        with error, reader.read_queue() as queue:
+            queue.put([DirectRead(f, 60_000, [memoryview(bad)], len(bad), "bad.key")])
+            while queue._calls:  # the helper takes it; the caller goes on meanwhile
+                time.sleep(0.001)
+        assert bad[:5536] == b"x" * 5536  # what the file had
+    finally:
+        f.close()
+        reader.close()
+
+
+def test_the_helper_reads_while_the_caller_works_and_both_drain_the_queue(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    f = _OpenFile(path)
+    reader = Reader()
+    try:
+        outs = [bytearray(4096) for _ in range(256)]
+        with reader.read_queue() as queue:
+            queue.put([DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8)])
+            while queue._calls:  # nothing else queued yet: the helper alone runs these
+                time.sleep(0.001)
+            assert b"".join(outs[:8]) == data[: 8 * 4096]
+            rest = [
+                DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8, 256)
+            ]
+            queue.put(rest)
+        assert b"".join(outs) == data  # left to both threads on leaving the block
+    finally:
+        f.close()
+        reader.close()
+
+
+def test_an_error_in_the_callers_block_drops_the_queue(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"y" * (1 << 20))
+    f = _OpenFile(path)
+    reader = Reader()
+    try:
+        outs = [bytearray(4096) for _ in range(256)]
+        calls = [DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(256)]
+        with pytest.raises(KeyError, match="planning failed"), reader.read_queue() as queue:
+            queue.put(calls)
+            raise KeyError("planning failed")
+        assert not queue._calls  # nothing left queued, and the helper has stopped
     finally:
         f.close()
         reader.close()
