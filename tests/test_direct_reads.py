@@ -171,3 +171,40 @@ def test_an_error_in_the_callers_block_drops_the_queue(tmp_path: Path) -> None:
     finally:
         f.close()
         reader.close()
+
+
+class Deep(nn.Module):
+    """Twelve 256 KiB matrices: one direct read each from a DCP folder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ParameterList(nn.Parameter(torch.zeros(256, 256)) for _ in range(12))
+
+
+def test_a_damaged_dcp_chunk_found_while_the_helper_reads_raises_and_stops_it(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(5)
+    full = {f"layers.{i}": torch.randn(256, 256, generator=g) for i in range(12)}
+    dcp.save(full, checkpoint_id=tmp_path / "ck", no_dist=True)
+    meta = dcp.FileSystemReader(tmp_path / "ck").read_metadata()
+    # The last chunk's zip is located only when its reads are worked out, after the helper
+    # has started on the first ones: break its end-of-directory signature.
+    last = max(meta.storage_data.values(), key=lambda info: info.offset)
+    path = tmp_path / "ck" / last.relative_path
+    raw = bytearray(path.read_bytes())
+    eocd = raw.rfind(b"PK\x05\x06", last.offset, last.offset + last.length)
+    assert eocd > 0
+    raw[eocd : eocd + 4] = b"XXXX"
+    path.write_bytes(bytes(raw))
+    damaged = next(k.fqn for k, info in meta.storage_data.items() if info is last)
+
+    model = Deep()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=damaged.replace(".", r"\.")):
+        lazyckpt.load_into(model, tmp_path / "ck")
+    dcp.save(full, checkpoint_id=tmp_path / "good", no_dist=True)
+    lazyckpt.load_into(model, tmp_path / "good")  # the next load is not stuck behind the first
+    for name, t in full.items():
+        assert same_bits(model.state_dict()[name], t), name
