@@ -426,8 +426,9 @@ class ReadQueue:
     A helper thread is started on the first :meth:`put` and runs calls in queue order while the
     caller goes on: locating the next chunks (a DCP chunk's zip is found on first use), checking
     replicas. Leaving the ``with`` block, the caller takes calls from the other end of the queue
-    until none is left, so both cores copy, then waits for the helper. The first error either
-    thread met is raised there; an error in the caller's block drops what is still queued.
+    until none is left (or the helper has failed), so both cores copy, then waits for the helper.
+    The first error either thread met is raised there; an error in the caller's block drops what
+    is still queued.
 
     ``preadv`` releases the GIL, so the helper copies while the caller runs Python. Calls are at
     most ``_CALL_BYTES``, so the two threads finish within one call of each other.
@@ -475,7 +476,7 @@ class ReadQueue:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
             if exc_type is None:
-                while self._queued.acquire(blocking=False):
+                while not self._errors and self._queued.acquire(blocking=False):
                     _run_reads((self._calls.pop(),))
         except BaseException:
             self._calls.clear()  # the helper stops at its next call
