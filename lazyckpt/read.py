@@ -474,20 +474,20 @@ class ReadQueue:
             self._done.set()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
+        failed = exc_type is not None
         try:
-            if exc_type is None:
-                while not self._errors and self._queued.acquire(blocking=False):
-                    _run_reads((self._calls.pop(),))
+            while not failed and not self._errors and self._queued.acquire(blocking=False):
+                _run_reads((self._calls.pop(),))
         except BaseException:
-            self._calls.clear()  # the helper stops at its next call
+            failed = True
             raise
         finally:
+            if failed:
+                self._calls.clear()  # the helper stops at its next call
             if self._done is not None:
                 self._queued.release()
-                if exc_type is not None:
-                    self._calls.clear()
                 self._done.wait()
-        if self._errors:
+        if self._errors and exc_type is None:  # else the caller's own error goes on
             raise self._errors[0]
 
 

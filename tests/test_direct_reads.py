@@ -5,6 +5,7 @@ bits, whatever the destination's strides."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -156,19 +157,46 @@ def test_the_helper_reads_while_the_caller_works_and_both_drain_the_queue(tmp_pa
         reader.close()
 
 
-def test_an_error_in_the_callers_block_drops_the_queue(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper_fails", [False, True], ids=["helper-ok", "helper-fails-too"])
+def test_an_error_in_the_callers_block_drops_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper_fails: bool
+) -> None:
+    # The helper is held inside its first call until the caller has failed. Then it must stop
+    # there (the rest was dropped, a bad call included); if that first call fails too, the
+    # caller's own error is the one raised.
     path = tmp_path / "data.bin"
     path.write_bytes(b"y" * (1 << 20))
     f = _OpenFile(path)
     reader = Reader()
+    entered, proceed = threading.Event(), threading.Event()
+    offsets: list[int] = []
+    real = os.preadv
+
+    def gated(fd: int, buffers: list[memoryview], offset: int) -> int:
+        offsets.append(offset)
+        if len(offsets) == 1:  # the helper's first call waits until the caller has failed
+            entered.set()
+            proceed.wait()
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", gated)
     try:
-        outs = [bytearray(4096) for _ in range(256)]
-        calls = [DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(256)]
+        outs = [bytearray(4096) for _ in range(8)]
+        calls = [DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8)]
+        past_end = bytearray(4096)  # fails when read
+        bad = DirectRead(f, 1 << 20, [memoryview(past_end)], 4096, "past.end")
+        calls.insert(0 if helper_fails else 1, bad)
         with pytest.raises(KeyError, match="planning failed"), reader.read_queue() as queue:
             queue.put(calls)
+            assert entered.wait(60)
+            # Let the helper go on only once the queue has been dropped on the way out.
+            threading.Timer(0.2, proceed.set).start()
             raise KeyError("planning failed")
-        assert not queue._calls  # nothing left queued, and the helper has stopped
+        # The helper stopped after the call it was in (a failing one retries the same offset).
+        assert set(offsets) == {calls[0].offset}
+        assert not queue._calls
     finally:
+        proceed.set()
         f.close()
         reader.close()
 
