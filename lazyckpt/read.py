@@ -428,7 +428,7 @@ class ReadQueue:
     replicas. Leaving the ``with`` block, the caller takes calls from the other end of the queue
     until none is left (or the helper has failed), so both cores copy, then waits for the helper.
     The first error either thread met is raised there; an error in the caller's block drops what
-    is still queued.
+    is still queued, and is the one that propagates.
 
     ``preadv`` releases the GIL, so the helper copies while the caller runs Python. Calls are at
     most ``_CALL_BYTES``, so the two threads finish within one call of each other.
