@@ -50,16 +50,18 @@ class LazyRegion:
     """A region found only when first needed, so that planning never opens the file.
 
     ``locate`` validates what it finds (and raises ``CorruptModelCheckpointError``); its result
-    is kept.
+    is kept. It is given the file's descriptor when the caller has it open (a reader does), so
+    that locating a chunk opens nothing: a DCP load locates one chunk per key.
     """
 
     path: Path
-    locate: Callable[[], FileRegion]
+    locate: Callable[[int | None], FileRegion]
     _found: FileRegion | None = field(default=None, repr=False)
 
-    def resolve(self) -> FileRegion:
+    def resolve(self, fd: int | None = None) -> FileRegion:
+        """The region; ``fd``, if given, is ``path`` opened for reading."""
         if self._found is None:
-            self._found = self.locate()
+            self._found = self.locate(fd)
         return self._found
 
 

@@ -43,6 +43,9 @@ __all__ = ["DirectRead", "ReadQueue", "Reader"]
 _MIN_RUN_BYTES = 64 << 10
 """Runs at least this long get a ``pread`` each (or an iovec of one); shorter ones are read in
 slabs, or copied from the mapping."""
+_FEW_RUNS = 4
+"""Pieces of at most this many runs are read directly however short the runs: a ``pread``
+each costs less than mapping the file and copying from it."""
 _CALL_BYTES = 4 << 20
 """Largest single ``preadv`` of :meth:`Reader.direct_reads`: two threads share a box, and
 finish within one call of each other (:class:`ReadQueue`)."""
@@ -164,6 +167,14 @@ class Reader:
                     f.flats[(dtype, shift)] = flat
         return flat
 
+    def _region(self, chunk: Chunk) -> FileRegion:
+        data = chunk.data
+        if isinstance(data, LazyRegion):
+            # Located through the file this load opens anyway (see LazyRegion).
+            return data.resolve(self._open(data.path).fd)
+        assert isinstance(data, FileRegion)  # tensors are handled by the callers
+        return data
+
     def _count(self, path: Path, nbytes: int) -> None:
         if self.stats is not None:
             self.stats.add_read(str(path), nbytes)
@@ -180,7 +191,7 @@ class Reader:
         """
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or piece.numel == 0:
             return None
-        region = _region(chunk)
+        region = self._region(chunk)
         if not strided and not is_dense(piece.sizes, region.strides):
             return None
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
@@ -210,7 +221,7 @@ class Reader:
             chunk = chunks[piece.chunk]
             if isinstance(chunk.data, torch.Tensor) or not is_dense(piece.sizes, box_strides):
                 return None
-            region = _region(chunk)
+            region = self._region(chunk)
             if not is_dense(piece.sizes, region.strides):
                 return None
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
@@ -248,7 +259,7 @@ class Reader:
         nbytes = piece.numel * dtype.itemsize
         if not 0 < nbytes <= _RAW_BYTES:
             return None
-        region = _region(chunk)
+        region = self._region(chunk)
         if not is_dense(piece.sizes, region.strides):
             return None
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
@@ -268,7 +279,7 @@ class Reader:
         if isinstance(chunk.data, torch.Tensor):
             dst_view.copy_(_sub(chunk.data, piece.src_offsets, piece.sizes))
             return
-        region = _region(chunk)
+        region = self._region(chunk)
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             itemsize = dtype.itemsize
@@ -282,8 +293,8 @@ class Reader:
         self, chunk: Chunk, dtype: torch.dtype, piece: Piece, dst: torch.Tensor, key: str
     ) -> list[DirectRead] | None:
         """``preadv`` calls that put ``piece`` straight into its place in ``dst`` (the whole
-        box, on the CPU, of the source dtype), or None when its runs are too short for a system
-        call each (a column slice of a matrix: copy it from the mapping instead).
+        box, on the CPU, of the source dtype), or None when it has many runs too short for a
+        system call each (a column slice of a matrix: copy it from the mapping instead).
 
         A kernel copy from the page cache maps nothing, so it has no page to fault in and none
         to unmap, and it releases the GIL: two threads copy at once (:class:`ReadQueue`)."""
@@ -291,7 +302,7 @@ class Reader:
             return None
         if dst.device.type != "cpu":
             return None
-        region = _region(chunk)
+        region = self._region(chunk)
         itemsize = dtype.itemsize
         strides = dst.stride()
         if any(st == 0 and n > 1 for st, n in zip(strides, piece.sizes)):
@@ -514,12 +525,14 @@ def _run_offsets(
     itemsize: int,
 ) -> tuple[int, list[tuple[int, int]] | None]:
     """The run length in bytes and the ``(src, dst)`` element offsets of every run
-    (:func:`contiguous_runs`), or no offsets when runs are shorter than ``_MIN_RUN_BYTES`` (a
-    column block of a matrix has thousands, and is copied from the mapping instead). Cached, as
-    a model's layers repeat the same shapes."""
+    (:func:`contiguous_runs`), or no offsets when there are more than ``_FEW_RUNS`` runs
+    shorter than ``_MIN_RUN_BYTES`` (a column block of a matrix has thousands, and is copied
+    from the mapping instead). A few short runs (a norm's shard) are cheaper to read than to
+    map the file for. Cached, as a model's layers repeat the same shapes."""
     runs = contiguous_runs(sizes, src_strides, dst_strides)
     run_bytes = runs.length * itemsize
-    return run_bytes, runs.offsets() if run_bytes >= _MIN_RUN_BYTES else None
+    few = run_bytes >= _MIN_RUN_BYTES or runs.count <= _FEW_RUNS
+    return run_bytes, runs.offsets() if few else None
 
 
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -531,14 +544,6 @@ def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch
     for o, st in zip(offsets, strides):
         start += o * st
     return t.as_strided(tuple(sizes), strides, start)
-
-
-def _region(chunk: Chunk) -> FileRegion:
-    data = chunk.data
-    if isinstance(data, LazyRegion):
-        return data.resolve()
-    assert isinstance(data, FileRegion)  # tensors are handled by the callers
-    return data
 
 
 def _bytes(mapping: ctypes.Array[ctypes.c_char], start: int, nbytes: int) -> bytes:

@@ -29,6 +29,7 @@ import torch
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import FileRegion
 from lazyckpt.zipdir import (
+    HEAD_BLOCK,
     ZipError,
     ZipSpan,
     check_layout,
@@ -422,7 +423,8 @@ def read_torch_archive(
                 path, f"bytes [{start}, {start + length}) lie past the end of the {size}-byte file"
             )
         span = ZipSpan(fd, start, length)
-        _check_magic(path, span.read(0, 4), window)
+        # The head block read_directory keeps: one read for the magic and the first records.
+        _check_magic(path, span.keep(0, min(length, HEAD_BLOCK))[:4], window)
         try:
             return _read_archive(path, span, restrict, memo)
         except ZipError as exc:

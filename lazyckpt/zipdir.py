@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 __all__ = [
+    "HEAD_BLOCK",
     "LOCAL_HEADER_BYTES",
     "ZipError",
     "ZipRecord",
@@ -45,7 +46,7 @@ _U64 = struct.Struct("<Q")
 _TAIL_GUESS = 16 << 10
 """Bytes read from the end first: the end records and, for torch files, the whole directory."""
 _MAX_COMMENT = 0xFFFF
-_HEAD_BLOCK = 4 << 10
+HEAD_BLOCK = 4 << 10
 """Bytes kept from the archive's start: the first local headers and a small ``data.pkl``."""
 _LOCAL_GUESS = 256
 """Bytes read past a local header in the same call: its name and padding fit in most files."""
@@ -99,7 +100,8 @@ class ZipSpan:
 
     def keep(self, offset: int, n: int) -> bytes:
         block = self.read(offset, n)
-        self._blocks.append((offset, block))
+        if (offset, len(block)) not in ((base, len(b)) for base, b in self._blocks):
+            self._blocks.append((offset, block))
         return block
 
 
@@ -109,7 +111,7 @@ def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
     Raises :class:`ZipError` for anything torch would not have written or that is damaged.
     """
     length = span.length
-    span.keep(0, min(length, _HEAD_BLOCK))
+    span.keep(0, min(length, HEAD_BLOCK))
     tail_start = max(0, length - _TAIL_GUESS)
     tail = span.keep(tail_start, length - tail_start)
     at = _find_eocd(tail)

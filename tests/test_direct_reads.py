@@ -236,3 +236,49 @@ def test_a_damaged_dcp_chunk_found_while_the_helper_reads_raises_and_stops_it(
     lazyckpt.load_into(model, tmp_path / "good")  # the next load is not stuck behind the first
     for name, t in full.items():
         assert same_bits(model.state_dict()[name], t), name
+
+
+class Norms(nn.Module):
+    """Small 1-D parameters and a 0-d buffer: a few short runs each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_a = nn.Parameter(torch.zeros(300))
+        self.norm_b = nn.Parameter(torch.zeros(4096))
+        self.register_buffer("scale", torch.tensor(0.0))
+
+
+def test_pieces_of_a_few_short_runs_are_read_without_mapping_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preadv_calls: list[int]
+) -> None:
+    # A norm or a norm's FSDP shard is one short run: a pread costs less than mapping the file
+    # and copying from it. A column slice (many short runs) is still copied from the mapping.
+    g = torch.Generator().manual_seed(5)
+    full = {
+        "norm_a": torch.randn(300, generator=g),
+        "norm_b": torch.randn(4096, generator=g),
+        "scale": torch.tensor(2.5),
+    }
+    save_file(full, tmp_path / "m.safetensors")
+    mapped: list[Path] = []
+    real = _OpenFile.mapping
+
+    def counting(self: _OpenFile) -> object:
+        mapped.append(self.path)
+        return real(self)
+
+    monkeypatch.setattr(_OpenFile, "mapping", counting)
+    model = Norms()
+    lazyckpt.load_into(model, tmp_path / "m.safetensors")
+    for name, t in full.items():
+        assert same_bits(model.state_dict()[name], t), name
+    assert mapped == []
+    assert sorted(preadv_calls) == sorted(t.nbytes for t in full.values())
+
+    wide = truth()
+    save_file(wide, tmp_path / "w.safetensors")
+    model_w = Wide()
+    model_w.w_out = nn.Parameter(torch.zeros(512, 1024).t())  # runs of one element
+    lazyckpt.load_into(model_w, tmp_path / "w.safetensors")
+    assert same_bits(model_w.w_out.detach(), wide["w_out"])
+    assert mapped == [tmp_path / "w.safetensors"]

@@ -276,10 +276,14 @@ def _locate(
     sizes: tuple[int, ...],
     restrict: bool,
     memo: PickleMemo,
+    fd: int | None,
 ) -> FileRegion:
-    """Open the chunk's inner torch zip and find its storage record (header reads only)."""
+    """Open the chunk's inner torch zip and find its storage record (header reads only);
+    ``fd``: ``file`` already open, or None."""
     try:
-        archive = read_torch_archive(file, restrict=restrict, window=(offset, length), memo=memo)
+        archive = read_torch_archive(
+            file, restrict=restrict, window=(offset, length), fd=fd, memo=memo
+        )
     except CorruptModelCheckpointError as exc:
         raise CorruptModelCheckpointError(
             file, f"key {fqn!r}: the chunk at byte {offset}: {exc}", key=fqn
