@@ -13,6 +13,7 @@ from lazyckpt.index import Chunk
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
+from lazyckpt.threads import one_intraop_thread
 
 __all__ = ["PinnedPool", "build_tensor", "fill", "fill_all", "output_dtype", "same_bits"]
 
@@ -131,40 +132,58 @@ def _fill_batch(
 ) -> None:
     # Direct reads start on a helper thread as soon as the first is worked out, while this
     # thread works out the rest (for DCP that means finding each chunk's zip) and then checks
-    # replicas (small preads and byte compares); then both threads finish the reads. Copies from
-    # the mappings come last: torch runs them on its own threads, which would contend with the
-    # helper.
+    # replicas (small preads and byte compares). Then this thread copies what is not read
+    # directly (short strided rows, from the mappings) on itself alone while the helper goes on
+    # reading: split over torch's OpenMP threads those copies would contend with the helper for
+    # the cores. Once the queue runs dry, both threads finish the reads, and what is left to copy
+    # is copied on all of torch's threads.
     verified: list[TensorPlan] = []
-    rest: list[tuple[TensorPlan, Piece | None]] = []
+    copies: list[tuple[TensorPlan, list[Piece]]] = []
+    elsewhere: list[TensorPlan] = []
     with reader.read_queue() as queue:
         for plan in plans:
             dst = destinations[plan.key]
             _check_box(plan, dst)
             if dst.device.type != "cpu":
-                rest.append((plan, None))
+                elsewhere.append(plan)
                 continue
             if plan.verify:
                 verified.append(plan)
                 continue
             key = plan.entry.checkpoint_key
+            copied: list[Piece] = []
             for piece in plan.pieces:
                 chunk = plan.chunks[piece.chunk]
                 direct = reader.direct_reads(chunk, plan.entry.dtype, piece, dst, key)
                 if direct is None:
-                    rest.append((plan, piece))
+                    copied.append(piece)
                 else:
                     queue.put(direct)
+            if copied:
+                copies.append((plan, copied))
         for plan in verified:
             fill(plan, reader, destinations[plan.key], pool=pool)
-    for plan, only in rest:
-        dst = destinations[plan.key]
-        if only is None:
-            fill(plan, reader, dst, pool=pool)
-        else:
-            _fill(reader, plan.chunks, plan.entry.dtype, (only,), dst, plan.entry.checkpoint_key)
+        done_copies = 0
+        if copies and queue.reading():
+            with one_intraop_thread() as alone:
+                while alone and done_copies < len(copies) and queue.reading():
+                    _copy(copies[done_copies], destinations, reader)
+                    done_copies += 1
+    for item in copies[done_copies:]:
+        _copy(item, destinations, reader)
+    for plan in elsewhere:
+        fill(plan, reader, destinations[plan.key], pool=pool)
     if done is not None:
         for plan in plans:
             done(plan)
+
+
+def _copy(
+    item: tuple[TensorPlan, list[Piece]], destinations: Mapping[str, torch.Tensor], reader: Reader
+) -> None:
+    plan, pieces = item
+    dst = destinations[plan.key]
+    _fill(reader, plan.chunks, plan.entry.dtype, pieces, dst, plan.entry.checkpoint_key)
 
 
 def _check_box(plan: TensorPlan, dst: torch.Tensor) -> None:

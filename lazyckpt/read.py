@@ -469,6 +469,10 @@ class ReadQueue:
             # Not threading.Thread: its start() waits for the thread to run (see lazyckpt.unmap).
             _thread.start_new_thread(self._helper, ())
 
+    def reading(self) -> bool:
+        """Whether calls are still queued for the helper (it has not run dry or failed)."""
+        return self._done is not None and bool(self._calls) and not self._errors
+
     def _helper(self) -> None:
         assert self._done is not None
         try:

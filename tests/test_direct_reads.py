@@ -282,3 +282,44 @@ def test_pieces_of_a_few_short_runs_are_read_without_mapping_the_file(
     lazyckpt.load_into(model_w, tmp_path / "w.safetensors")
     assert same_bits(model_w.w_out.detach(), wide["w_out"])
     assert mapped == [tmp_path / "w.safetensors"]
+
+
+@pytest.mark.skipif(
+    not torch.backends.openmp.is_available() or torch.get_num_threads() < 2,
+    reason="needs torch built with OpenMP and at least two intra-op threads",
+)
+def test_copies_run_on_the_caller_alone_while_the_helper_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MP-2: w_in's pieces are direct reads (the helper is held inside its first one), w_out's
+    # column blocks are copies from the mappings, made meanwhile on one intra-op thread.
+    full = truth()
+    dims = {"w_in": 0, "w_out": 1}
+    for r in range(2):
+        sd = {k: (v.chunk(2, dims[k])[r].clone() if k in dims else v) for k, v in full.items()}
+        torch.save(sd, tmp_path / f"consolidated.{r:02d}.pth")
+    proceed = threading.Event()
+    real_preadv = os.preadv
+
+    def gated(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            assert proceed.wait(60)
+        return real_preadv(fd, buffers, offset)
+
+    threads_at_copy: list[int] = []
+    real_copy = Reader.copy
+
+    def copy(self: Reader, *args: object, **kwargs: object) -> None:
+        threads_at_copy.append(torch.get_num_threads())
+        proceed.set()
+        real_copy(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "preadv", gated)
+    monkeypatch.setattr(Reader, "copy", copy)
+    before = torch.get_num_threads()
+    model = Wide()
+    lazyckpt.load_into(model, tmp_path)
+    for name, t in full.items():
+        assert same_bits(model.state_dict()[name], t), name
+    assert threads_at_copy[0] == 1  # the helper had not finished: the copy ran alone
+    assert torch.get_num_threads() == before

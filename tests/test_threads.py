@@ -1,0 +1,50 @@
+"""``threads.one_intraop_thread``: torch kernels on the calling thread run on it alone, and no
+other thread's setting changes (``torch.set_num_threads`` would change the whole process)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lazyckpt.threads import one_intraop_thread
+
+needs_openmp = pytest.mark.skipif(
+    not torch.backends.openmp.is_available() or torch.get_num_threads() < 2,
+    reason="needs torch built with OpenMP and at least two intra-op threads",
+)
+
+
+@needs_openmp
+def test_only_the_calling_thread_runs_on_one_intraop_thread() -> None:
+    before = torch.get_num_threads()
+    inside: list[int] = []
+    other: list[int] = []
+    entered, checked = threading.Event(), threading.Event()
+
+    def elsewhere() -> None:
+        entered.wait(60)
+        other.append(torch.get_num_threads())
+        checked.set()
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    with one_intraop_thread() as alone:
+        inside.append(torch.get_num_threads())
+        entered.set()
+        assert checked.wait(60)
+        inside.append(torch.get_num_threads())
+    t.join()
+    assert alone
+    assert inside == [1, 1]
+    assert other == [before]  # a thread that asks meanwhile keeps the process's count
+    assert torch.get_num_threads() == before
+
+
+@needs_openmp
+def test_the_setting_is_restored_when_the_block_raises() -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"), one_intraop_thread():
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
