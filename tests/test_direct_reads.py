@@ -5,6 +5,7 @@ bits, whatever the destination's strides."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -285,8 +286,10 @@ def test_pieces_of_a_few_short_runs_are_read_without_mapping_the_file(
 
 
 @pytest.mark.skipif(
-    not torch.backends.openmp.is_available() or torch.get_num_threads() < 2,
-    reason="needs torch built with OpenMP and at least two intra-op threads",
+    not sys.platform.startswith("linux")
+    or not torch.backends.openmp.is_available()
+    or torch.get_num_threads() < 2,
+    reason="needs Linux, torch built with OpenMP and at least two intra-op threads",
 )
 def test_copies_run_on_the_caller_alone_while_the_helper_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
