@@ -109,8 +109,9 @@ def fill_all(
     read by ``preadv`` on two threads (:meth:`Reader.direct_reads`), in batches of about
     ``_BATCH_BYTES``; ``done(plan)`` is called as each batch completes.
 
-    Pieces with short strided rows, replicas to compare and CUDA destinations go through
-    :func:`fill`'s copies."""
+    Pieces of many short strided rows, replicas to compare and CUDA destinations go through
+    :func:`fill`'s copies; the strided pieces are copied while the reads still run where they
+    can be (see :func:`_fill_batch`)."""
     batch: list[TensorPlan] = []
     size = 0
     for plan in plans:

@@ -9,8 +9,9 @@ Two ways to reach the bytes, picked by ``ModelCheckpointLoadOptions.mmap``:
   never reaches the file. A box that several chunks fill with ranges lying back to back is a
   stitched view (:mod:`lazyckpt.stitch`). Mappings go on the unmapping thread
   (:mod:`lazyckpt.unmap`) once nothing uses them.
-* **direct reads** (``load_into``): pieces whose runs are long on both sides are read with
-  ``preadv`` into the destination's memory, on two threads, whatever ``mmap`` says.
+* **direct reads** (``load_into``): pieces whose runs are long on both sides, or that are a
+  few runs (a norm's shard), are read with ``preadv`` into the destination's memory, on two
+  threads (:class:`ReadQueue`), whatever ``mmap`` says.
 * **pread**: contiguous runs are read with ``os.preadv`` straight into the destination's memory;
   rows too short to be worth a system call each are read in slabs through a bounce buffer when
   that at most doubles the bytes read. Suits network filesystems, where mapping is slow.
@@ -535,8 +536,8 @@ def _run_offsets(
     map the file for. Cached, as a model's layers repeat the same shapes."""
     runs = contiguous_runs(sizes, src_strides, dst_strides)
     run_bytes = runs.length * itemsize
-    few = run_bytes >= _MIN_RUN_BYTES or runs.count <= _FEW_RUNS
-    return run_bytes, runs.offsets() if few else None
+    direct = run_bytes >= _MIN_RUN_BYTES or runs.count <= _FEW_RUNS
+    return run_bytes, runs.offsets() if direct else None
 
 
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

@@ -33,11 +33,12 @@ def _runtimes() -> tuple[ctypes.CDLL, ...]:
     """The OpenMP runtimes already loaded in this process (never loads one)."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {
-                parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6
-            }
+            lines = [line for line in f if "omp" in line]  # thousands of lines; a few match
     except OSError:  # not Linux
         return ()
+    paths = {
+        parts[5].strip() for parts in (line.split(None, 5) for line in lines) if len(parts) == 6
+    }
     found = []
     for path in sorted(paths):
         name = os.path.basename(path)
