@@ -25,7 +25,7 @@ from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
-from lazyckpt.plan import Box
+from lazyckpt.plan import Box, mesh_box
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -106,21 +106,29 @@ def _local(t: Any) -> torch.Tensor:
 def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     """The box of the global tensor that this process holds for ``target``.
 
-    Layers repeat shapes and placements, so boxes are cached by (shape, mesh, placements):
-    torch's ``compute_local_shape_and_global_offset`` is slow enough to show in a load."""
+    For ``Shard``/``Replicate``/``Partial`` placements it is worked out by :func:`mesh_box`;
+    others (``_StridedShard``, a rank outside the mesh) ask torch's
+    ``compute_local_shape_and_global_offset``, cached by (shape, mesh, placements) as layers
+    repeat them and it is slow enough to show in a load."""
     shape = target.global_shape
     if not target.is_dtensor:
         return Box((0,) * len(shape), shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     t: Any = target.tensor
-    cache_key = (shape, t.device_mesh, tuple(t.placements))
-    box = cache.get(cache_key)
-    if box is None:
-        local_shape, offset = compute_local_shape_and_global_offset(
-            shape, t.device_mesh, t.placements
-        )
-        box = cache[cache_key] = Box(tuple(offset), tuple(local_shape))
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    dims = _shard_dims(placements)
+    coordinate = mesh.get_coordinate() if dims is not None else None
+    if dims is not None and coordinate is not None:
+        box = mesh_box(shape, mesh.shape, coordinate, dims)
+    else:
+        cache_key = (shape, mesh, placements)
+        found = cache.get(cache_key)
+        if found is None:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            found = cache[cache_key] = Box(tuple(offset), tuple(local_shape))
+        box = found
     local = _local(t)
     if tuple(local.shape) != box.sizes:
         raise ValueError(
@@ -128,6 +136,22 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
             f"{t.placements} give {box.sizes}"
         )
     return box
+
+
+def _shard_dims(placements: Sequence[Any]) -> list[int | None] | None:
+    """The tensor dim each mesh dim shards (``None`` where it replicates or holds partial sums),
+    or None when a placement is anything else (``_StridedShard``: its shards interleave)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dims: list[int | None] = []
+    for p in placements:
+        if type(p) is Shard:
+            dims.append(p.dim)
+        elif isinstance(p, (Replicate, Partial)):
+            dims.append(None)
+        else:
+            return None
+    return dims
 
 
 def infer_shard_dim(

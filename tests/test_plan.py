@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers import chunk_of, expected, same_bits
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import lazyckpt
@@ -20,6 +20,7 @@ from lazyckpt.plan import (
     chunk_bounds,
     contiguous_runs,
     intersect,
+    mesh_box,
     plan_pieces,
     plan_stitch,
     target_box,
@@ -66,6 +67,41 @@ def test_target_box_is_chunk_of_chunk(shape: tuple[int, ...], layout: lazyckpt.L
     want = expected(full, dim, layout)
     got = full[box.slices()] if shape else full
     assert got.shape == want.shape and torch.equal(got, want)
+
+
+@st.composite
+def meshes(draw: st.DrawFn) -> tuple[tuple[int, ...], list[int], list[int], list[int | None]]:
+    """A shape, a mesh, a rank's coordinate in it and the dim each mesh dim shards."""
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    mesh = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    coordinate = [draw(st.integers(0, n - 1)) for n in mesh]
+    dims = [draw(st.none() | st.integers(-len(shape), len(shape) - 1)) for _ in mesh]
+    return shape, mesh, coordinate, dims
+
+
+@given(case=meshes())
+@example(case=((3,), [3, 2], [0, 1], [0, 0]))  # a shard emptied by the second mesh dim
+def test_mesh_box_is_dtensor_shard(
+    case: tuple[tuple[int, ...], list[int], list[int], list[int | None]],
+) -> None:
+    """``mesh_box`` is the box DTensor gives: the ``torch.chunk`` of the ``torch.chunk`` of a
+    real tensor, and exactly torch's own ``(local shape, global offset)``, empty shards included."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, mesh, coordinate, dims = case
+    box = mesh_box(shape, mesh, coordinate, dims)
+
+    full = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    want = full
+    for parts, index, dim in zip(mesh, coordinate, dims):
+        if dim is not None:
+            pieces = torch.chunk(want, parts, dim) if want.shape[dim] else ()
+            want = pieces[index] if index < len(pieces) else want.narrow(dim, 0, 0)
+    assert torch.equal(full[box.slices()], want)
+    placements = [Replicate() if d is None else Shard(d % len(shape)) for d in dims]
+    sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, coordinate, placements)
+    assert (box.sizes, box.offsets) == (tuple(sizes), tuple(offsets))
 
 
 @st.composite
