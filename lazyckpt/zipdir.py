@@ -267,18 +267,19 @@ _DESCRIPTOR_MAX = 24
 """The longest data descriptor: signature, CRC-32 and two 64-bit sizes (zip64)."""
 
 
+_DESCRIPTOR_BODIES = (struct.Struct("<3I"), struct.Struct("<I2Q"))
+"""CRC-32 and the two sizes, 32- or 64-bit (zip64)."""
+
+
 def _descriptor_length(data: bytes, record: ZipRecord) -> int:
     """The length of the data descriptor at the start of ``data`` (with or without its
     optional signature, 32- or 64-bit sizes) that repeats the record's CRC and size, or 0."""
+    want = (record.crc, record.size, record.size)
     for at in (4, 0) if data[:4] == _DESCRIPTOR_SIG else (0,):
-        for fmt in ("<3I", "<I2Q"):
-            n = struct.calcsize(fmt)
-            if len(data) >= at + n and struct.unpack_from(fmt, data, at) == (
-                record.crc,
-                record.size,
-                record.size,
-            ):
-                return at + n
+        for body in _DESCRIPTOR_BODIES:
+            n = at + body.size
+            if len(data) >= n and body.unpack_from(data, at) == want:
+                return n
     return 0
 
 
