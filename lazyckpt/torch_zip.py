@@ -19,7 +19,7 @@ import io
 import os
 import pickle
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,14 +31,17 @@ from lazyckpt.index import FileRegion
 from lazyckpt.zipdir import (
     HEAD_BLOCK,
     ZipError,
+    ZipShape,
     ZipSpan,
     check_layout,
     read_directory,
     record_data,
+    zip_shape,
 )
 
 __all__ = [
     "PickleMemo",
+    "ShapeMemo",
     "StoredTensor",
     "TorchArchive",
     "Unsupported",
@@ -407,11 +410,14 @@ def read_torch_archive(
     window: tuple[int, int] | None = None,
     fd: int | None = None,
     memo: PickleMemo | None = None,
+    shapes: ShapeMemo | None = None,
 ) -> TorchArchive:
     """Read the zip directory and ``data.pkl`` of a torch file (or of a zip at
     ``window=(start, length)`` inside ``path``); no storage byte is read. With ``memo``, a
     ``data.pkl`` already unpickled for another file is not unpickled again (the result is
-    shared: treat it as read-only)."""
+    shared: treat it as read-only). With ``shapes``, an archive that repeats the checked bytes
+    of one read before (see :class:`ShapeMemo`) is recognised from two reads and a few
+    comparisons instead of being parsed again."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -422,11 +428,16 @@ def read_torch_archive(
             raise CorruptModelCheckpointError(
                 path, f"bytes [{start}, {start + length}) lie past the end of the {size}-byte file"
             )
+        if shapes is not None:
+            known = _recognise(fd, start, shapes.get((length, restrict), ()))
+            if known is not None:
+                storages = {k: (start + at, n) for k, (at, n) in known.storages.items()}
+                return TorchArchive(path, known.obj, storages, known.forbidden)
         span = ZipSpan(fd, start, length)
         # The head block read_directory keeps: one read for the magic and the first records.
         _check_magic(path, span.keep(0, min(length, HEAD_BLOCK))[:4], window)
         try:
-            return _read_archive(path, span, restrict, memo)
+            return _read_archive(path, span, restrict, memo, shapes)
         except ZipError as exc:
             raise CorruptModelCheckpointError(
                 path, f"not a readable torch zip archive: {exc}"
@@ -452,7 +463,11 @@ def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> Non
 
 
 def _read_archive(
-    path: Path, span: ZipSpan, restrict: bool, memo: PickleMemo | None
+    path: Path,
+    span: ZipSpan,
+    restrict: bool,
+    memo: PickleMemo | None,
+    shapes: ShapeMemo | None = None,
 ) -> TorchArchive:
     records, directory = read_directory(span)
     pickles = [r for r in records if r.name.endswith("data.pkl") and r.name.count("/") <= 1]
@@ -467,21 +482,23 @@ def _read_archive(
     n = len(prefix)
     # Local headers are checked for the records we read; the others (version, serialization
     # id) only bound their neighbours in the overlap check, from their header offset.
-    ends: list[int | None] = []
-    for r in records:
+    spans: list[tuple[int, int] | None] = []
+    payloads: list[int] = []
+    for i, r in enumerate(records):
         rest = r.name[n:] if r.name.startswith(prefix) else ""
-        end: int | None = None
+        found: tuple[int, int] | None = None
         if rest.startswith("data/"):
-            at, end = record_data(span, r)
-            storages[rest[5:]] = (base + at, r.size)
+            found = record_data(span, r)
+            storages[rest[5:]] = (base + found[0], r.size)
+            payloads.append(i)
         elif rest == "data.pkl":
-            at, end = record_data(span, r)
-            pkl = (at, r.size)
+            found = record_data(span, r)
+            pkl = (found[0], r.size)
         elif rest == "byteorder":
-            at, end = record_data(span, r)
-            order = (at, r.size)
-        ends.append(end)
-    check_layout(span, records, ends, directory)
+            found = record_data(span, r)
+            order = (found[0], r.size)
+        spans.append(found)
+    check_layout(span, records, [None if f is None else f[1] for f in spans], directory)
     if order is not None:
         byteorder = span.read(*order)
         if byteorder != b"little":
@@ -504,7 +521,48 @@ def _read_archive(
         if memo is not None:
             memo[(data, restrict)] = known
     obj, forbidden = known
+    if shapes is not None and len(payloads) == 1:
+        same = shapes.setdefault((span.length, restrict), [])
+        shape = zip_shape(span, records, spans, directory, payloads[0]) if len(same) < 8 else None
+        if shape is not None:
+            relative = {k: (at - base, size) for k, (at, size) in storages.items()}
+            same.append(_Known(shape, relative, obj, forbidden))
     return TorchArchive(path, obj, storages, forbidden)
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """An embedded archive that passed every check: its shape, and what it gave."""
+
+    shape: ZipShape
+    storages: dict[str, tuple[int, int]]
+    """Storage key -> (byte offset from the archive's start, record length)."""
+    obj: Any
+    forbidden: list[str]
+
+
+ShapeMemo = dict[tuple[int, bool], list[_Known]]
+"""Archives already read inside one file, by length (and ``restrict``). DCP writes every tensor
+chunk as a small ``torch.save`` zip, and the chunks of one shape and dtype hold the same bytes
+but for their data and its CRC-32 (and torch's random ``serialization_id``): such a chunk is
+recognised by comparing its head and tail with a checked one (:class:`zipdir.ZipShape`), which
+is as strict as parsing it again and five times cheaper. A few shapes are kept per length."""
+
+
+def _recognise(fd: int, start: int, known: Sequence[_Known]) -> _Known | None:
+    """The first of ``known`` whose shape the archive at ``start`` of ``fd`` repeats."""
+    read: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+    for k in known:
+        shape = k.shape
+        sizes = (len(shape.head), len(shape.tail))
+        if sizes not in read:
+            read[sizes] = (
+                os.pread(fd, sizes[0], start),
+                os.pread(fd, sizes[1], start + shape.length - sizes[1]),
+            )
+        if shape.matches(*read[sizes]):
+            return k
+    return None
 
 
 def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str]]:

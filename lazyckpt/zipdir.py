@@ -22,10 +22,12 @@ __all__ = [
     "LOCAL_HEADER_BYTES",
     "ZipError",
     "ZipRecord",
+    "ZipShape",
     "ZipSpan",
     "check_layout",
     "read_directory",
     "record_data",
+    "zip_shape",
 ]
 
 _EOCD = struct.Struct("<4s4H2IH")
@@ -318,3 +320,115 @@ def check_layout(
                 f"record {r.name} {'overlaps' if gap < 0 else 'ends before'} what follows it; a "
                 "local header or the zip directory is damaged: copy the file again"
             )
+
+
+_CENTRAL_CRC = 16
+"""Where a central directory record holds its CRC-32."""
+_MAX_SHAPE_BYTES = 64 << 10
+"""Largest head or tail a :class:`ZipShape` keeps."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZipShape:
+    """The bytes of a checked archive that its checks depend on, around one record's data.
+
+    ``head`` is the archive before that record's data, ``tail`` the archive after it. An
+    archive of the same length whose head and tail equal these, except in the bytes masked
+    out, passes :func:`read_directory`, :func:`record_data` and :func:`check_layout` exactly as
+    this one did, and its records lie at the same places. Masked out are what those checks never
+    look at, and what differs between two tensors of one shape saved alike: the spans of the
+    records whose local headers were not read (torch's ``version`` and ``serialization_id``, as
+    in :func:`check_layout`) and the record's CRC-32, in its data descriptor and its directory
+    record. The one check left is :func:`check_layout`'s: the two CRC-32s agree. DCP stores
+    every tensor chunk as such a small zip, so a folder's chunks have a few shapes between them.
+    """
+
+    length: int
+    head: bytes
+    tail: bytes
+    head_keep: tuple[tuple[int, int], ...]
+    """Ranges of ``head`` compared byte for byte."""
+    tail_keep: tuple[tuple[int, int], ...]
+    crc_pairs: tuple[tuple[int, int], ...]
+    """``(descriptor CRC, directory CRC)`` positions in the tail that must hold equal bytes."""
+
+    def matches(self, head: bytes, tail: bytes) -> bool:
+        if len(head) != len(self.head) or len(tail) != len(self.tail):
+            return False
+        for a, b in self.head_keep:
+            if head[a:b] != self.head[a:b]:
+                return False
+        for a, b in self.tail_keep:
+            if tail[a:b] != self.tail[a:b]:
+                return False
+        return all(tail[d : d + 4] == tail[c : c + 4] for d, c in self.crc_pairs)
+
+
+def zip_shape(
+    span: ZipSpan,
+    records: list[ZipRecord],
+    spans: list[tuple[int, int] | None],
+    directory: int,
+    payload: int,
+) -> ZipShape | None:
+    """The :class:`ZipShape` of an archive that passed :func:`check_layout`, around the data of
+    ``records[payload]``; ``spans[i]`` is where record ``i``'s data lies (``None`` for records
+    whose local header was not read). None where the shape would not be safe or small: the
+    payload has no data descriptor (its CRC-32 would sit in its local header), or the head or
+    tail is longer than ``_MAX_SHAPE_BYTES``."""
+    found = spans[payload]
+    record = records[payload]
+    if found is None or not record.flags & _DESCRIPTOR:
+        return None
+    start, end = found
+    length = span.length
+    if start > _MAX_SHAPE_BYTES or length - end > _MAX_SHAPE_BYTES:
+        return None
+    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    masks: list[tuple[int, int]] = []
+    for j, i in enumerate(order):
+        if spans[i] is None:
+            limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
+            masks.append((records[i].header_offset, limit))
+    head = span.read(0, start)
+    tail = span.read(end, length - end)
+    if len(head) != start or len(tail) != length - end:
+        return None
+    descriptor = end + (4 if tail[:4] == _DESCRIPTOR_SIG else 0)
+    masks.append((descriptor, descriptor + 4))
+    pairs = []
+    pos = directory
+    for i in range(len(records)):  # directory records are in the order read_directory lists
+        at = pos - end
+        if at < 0 or at + _CENTRAL.size > len(tail):
+            return None
+        n_name, n_extra, n_comment = struct.unpack_from("<3H", tail, at + 28)
+        if i == payload or spans[i] is None:
+            masks.append((pos + _CENTRAL_CRC, pos + _CENTRAL_CRC + 4))
+        if i == payload:
+            pairs.append((descriptor - end, at + _CENTRAL_CRC))
+        pos += _CENTRAL.size + n_name + n_extra + n_comment
+    return ZipShape(
+        length,
+        head,
+        tail,
+        _keep(masks, 0, start),
+        _keep(masks, end, length),
+        tuple(pairs),
+    )
+
+
+def _keep(masks: list[tuple[int, int]], lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of ``[lo, hi)`` outside every mask, relative to ``lo``."""
+    out = []
+    at = lo
+    for a, b in sorted(masks):
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if a > at:
+            out.append((at - lo, a - lo))
+        at = max(at, b)
+    if at < hi:
+        out.append((at - lo, hi - lo))
+    return tuple(out)

@@ -103,3 +103,66 @@ def test_a_zip64_torch_file_behind_a_prefix(tmp_path: Path) -> None:
     shifted = tmp_path / "shifted.pt"
     shifted.write_bytes(b"\0" * 4096 + data)
     assert _records(shifted) == _oracle(shifted.read_bytes())
+
+
+def _outcome(path: Path, start: int, length: int, fd: int, shapes: object | None) -> object:
+    """What reading the archive at ``start`` gives: its storages and tensor, or the error."""
+    from lazyckpt.errors import CorruptModelCheckpointError
+    from lazyckpt.torch_zip import read_torch_archive
+
+    try:
+        a = read_torch_archive(path, window=(start, length), fd=fd, shapes=shapes)  # type: ignore[arg-type]
+    except CorruptModelCheckpointError as exc:
+        return ("error", str(exc))
+    t = a.obj
+    return (a.storage_offsets, t.dtype, t.sizes, t.strides, t.storage_offset, a.forbidden)
+
+
+def test_a_chunk_recognised_by_its_shape_reads_as_a_full_parse_would(tmp_path: Path) -> None:
+    """DCP chunks are ``torch.save`` zips side by side in one file. Once one is checked, another
+    of the same shape is recognised by comparing bytes (``zipdir.ZipShape``). That must be as
+    strict as parsing it: flip any byte of the second chunk, one bit at a time and all bits, and
+    the outcome with the first chunk's shape known is the outcome of a full parse."""
+    blobs = []
+    for seed in (1, 2):
+        buf = io.BytesIO()
+        torch.save(torch.arange(24, dtype=torch.float32).reshape(4, 6) * seed, buf)
+        blobs.append(buf.getvalue())
+    assert len(blobs[0]) == len(blobs[1]) and blobs[0] != blobs[1]
+    path = tmp_path / "chunks.distcp"
+    first, second = len(b"lead"), len(b"lead") + len(blobs[0])
+    length = len(blobs[1])
+    clean = b"lead" + blobs[0] + blobs[1] + b"trail"
+    path.write_bytes(clean)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        shapes: dict = {}
+        want = _outcome(path, second, length, fd, None)
+        assert want[0] != "error"
+        assert _outcome(path, first, length, fd, shapes) != want  # another storage offset
+        assert sum(len(v) for v in shapes.values()) == 1
+        assert _outcome(path, second, length, fd, shapes) == want
+        assert sum(len(v) for v in shapes.values()) == 1  # recognised, not parsed and added
+    finally:
+        os.close(fd)
+
+    recognised = 0
+    for at in range(second, second + length):
+        for flip in (0x01, 0xFF):
+            raw = bytearray(clean)
+            raw[at] ^= flip
+            path.write_bytes(bytes(raw))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                shapes = {}
+                _outcome(path, first, length, fd, shapes)  # the first chunk's shape, known
+                known = sum(len(v) for v in shapes.values())
+                got = _outcome(path, second, length, fd, shapes)
+                recognised += sum(len(v) for v in shapes.values()) == known
+                assert got == _outcome(path, second, length, fd, None), (at - second, flip)
+            finally:
+                os.close(fd)
+    # Flips in the data (and torch's random serialization id) are recognised; the rest fall
+    # back to the full parse, which refuses or accepts them on its own.
+    assert recognised > 2 * 24 * 4

@@ -26,6 +26,7 @@ from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.torch_zip import (
     PickleMemo,
+    ShapeMemo,
     StoredTensor,
     read_torch_archive,
     restricted_find_class,
@@ -154,6 +155,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         files: dict[str, tuple[Path, int]] = {}
         entries: dict[str, TensorEntry] = {}
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
+        shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
         for fqn, md in tensors.items():
             if isinstance(md, BytesStorageMetadata):
@@ -212,6 +214,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                             sizes,
                             options.restrict,
                             memo,
+                            shapes,
                         ),
                     )
                 )
@@ -237,6 +240,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         sizes: tuple[int, ...],
         restrict: bool,
         memo: PickleMemo,
+        shapes: ShapeMemo,
     ) -> LazyRegion:
         rel = getattr(info, "relative_path", None)
         span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
@@ -263,7 +267,9 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 f"{size}; it is truncated: copy it again",
                 key=fqn,
             )
-        locate = functools.partial(_locate, file, offset, length, fqn, dtype, sizes, restrict, memo)
+        locate = functools.partial(
+            _locate, file, offset, length, fqn, dtype, sizes, restrict, memo, shapes
+        )
         return LazyRegion(file, locate)
 
 
@@ -276,13 +282,14 @@ def _locate(
     sizes: tuple[int, ...],
     restrict: bool,
     memo: PickleMemo,
+    shapes: ShapeMemo,
     fd: int | None,
 ) -> FileRegion:
     """Open the chunk's inner torch zip and find its storage record (header reads only);
     ``fd``: ``file`` already open, or None."""
     try:
         archive = read_torch_archive(
-            file, restrict=restrict, window=(offset, length), fd=fd, memo=memo
+            file, restrict=restrict, window=(offset, length), fd=fd, memo=memo, shapes=shapes
         )
     except CorruptModelCheckpointError as exc:
         raise CorruptModelCheckpointError(
