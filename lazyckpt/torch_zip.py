@@ -546,7 +546,8 @@ ShapeMemo = dict[tuple[int, bool], list[_Known]]
 chunk as a small ``torch.save`` zip, and the chunks of one shape and dtype hold the same bytes
 but for their data and its CRC-32 (and torch's random ``serialization_id``): such a chunk is
 recognised by comparing its head and tail with a checked one (:class:`zipdir.ZipShape`), which
-is as strict as parsing it again and five times cheaper. A few shapes are kept per length."""
+is as strict as parsing it again and about four times cheaper (~25 against ~100 us here). A few
+shapes are kept per length."""
 
 
 def _recognise(fd: int, start: int, known: Sequence[_Known]) -> _Known | None:
