@@ -390,6 +390,8 @@ def zip_shape(
         if spans[i] is None:
             limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
             masks.append((records[i].header_offset, limit))
+    if masks and min(a for a, _ in masks) < len(_LOCAL_SIG):
+        return None  # the archive's magic is checked before anything else: never mask it
     head = span.read(0, start)
     tail = span.read(end, length - end)
     if len(head) != start or len(tail) != length - end:
