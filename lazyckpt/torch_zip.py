@@ -523,7 +523,8 @@ def _read_archive(
     obj, forbidden = known
     if shapes is not None and len(payloads) == 1:
         same = shapes.setdefault((span.length, restrict), [])
-        shape = zip_shape(span, records, spans, directory, payloads[0]) if len(same) < 8 else None
+        full = len(same) >= _SHAPES_PER_LENGTH
+        shape = None if full else zip_shape(span, records, spans, directory, payloads[0])
         if shape is not None:
             relative = {k: (at - base, size) for k, (at, size) in storages.items()}
             same.append(_Known(shape, relative, obj, forbidden))
@@ -540,6 +541,9 @@ class _Known:
     obj: Any
     forbidden: list[str]
 
+
+_SHAPES_PER_LENGTH = 8
+"""Shapes kept per archive length: chunks of one length but different shapes are few."""
 
 ShapeMemo = dict[tuple[int, bool], list[_Known]]
 """Archives already read inside one file, by length (and ``restrict``). DCP writes every tensor

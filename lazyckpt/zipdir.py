@@ -72,6 +72,8 @@ class ZipRecord:
     crc: int
     size: int
     header_offset: int
+    entry: int
+    """Where this entry of the central directory starts in the archive."""
 
 
 class ZipSpan:
@@ -194,7 +196,7 @@ def _parse_central(data: bytes, count: int, shift: int, limit: int) -> list[ZipR
                 f"record {name}: its header offset {offset} lies outside the archive; the zip "
                 "directory is damaged"
             )
-        records.append(ZipRecord(name, raw_name, flags, crc, size, offset))
+        records.append(ZipRecord(name, raw_name, flags, crc, size, offset, limit + pos))
         pos = extra_end + n_comment
     return records
 
@@ -293,10 +295,10 @@ def check_layout(
     flagged with one, repeating the directory's CRC and size, and then the next record or the
     central directory starts. ``ends[i] is None``: a record not read, only checked to start
     before the next one (names and padding unknown)."""
-    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
-    for j, i in enumerate(order):
+    limits = _limits(records, directory)
+    for i in sorted(range(len(records)), key=lambda i: records[i].header_offset):
         r = records[i]
-        limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
+        limit = limits[i]
         end = ends[i]
         if end is None:
             if r.header_offset + LOCAL_HEADER_BYTES + len(r.raw_name) + r.size > limit:
@@ -349,8 +351,9 @@ class ZipShape:
     head_keep: tuple[tuple[int, int], ...]
     """Ranges of ``head`` compared byte for byte."""
     tail_keep: tuple[tuple[int, int], ...]
-    crc_pairs: tuple[tuple[int, int], ...]
-    """``(descriptor CRC, directory CRC)`` positions in the tail that must hold equal bytes."""
+    crc_pair: tuple[int, int]
+    """The record's CRC-32 in its data descriptor and in its directory entry: positions in the
+    tail that must hold equal bytes."""
 
     def matches(self, head: bytes, tail: bytes) -> bool:
         if len(head) != len(self.head) or len(tail) != len(self.tail):
@@ -361,7 +364,8 @@ class ZipShape:
         for a, b in self.tail_keep:
             if tail[a:b] != self.tail[a:b]:
                 return False
-        return all(tail[d : d + 4] == tail[c : c + 4] for d, c in self.crc_pairs)
+        d, c = self.crc_pair
+        return tail[d : d + 4] == tail[c : c + 4]
 
 
 def zip_shape(
@@ -384,12 +388,8 @@ def zip_shape(
     length = span.length
     if start > _MAX_SHAPE_BYTES or length - end > _MAX_SHAPE_BYTES:
         return None
-    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
-    masks: list[tuple[int, int]] = []
-    for j, i in enumerate(order):
-        if spans[i] is None:
-            limit = records[order[j + 1]].header_offset if j + 1 < len(order) else directory
-            masks.append((records[i].header_offset, limit))
+    limits = _limits(records, directory)
+    masks = [(r.header_offset, limits[i]) for i, r in enumerate(records) if spans[i] is None]
     if masks and min(a for a, _ in masks) < len(_LOCAL_SIG):
         return None  # the archive's magic is checked before anything else: never mask it
     head = span.read(0, start)
@@ -398,26 +398,21 @@ def zip_shape(
         return None
     descriptor = end + (4 if tail[:4] == _DESCRIPTOR_SIG else 0)
     masks.append((descriptor, descriptor + 4))
-    pairs = []
-    pos = directory
-    for i in range(len(records)):  # directory records are in the order read_directory lists
-        at = pos - end
-        if at < 0 or at + _CENTRAL.size > len(tail):
-            return None
-        n_name, n_extra, n_comment = struct.unpack_from("<3H", tail, at + 28)
+    for i, r in enumerate(records):  # their directory entries follow every record's data
         if i == payload or spans[i] is None:
-            masks.append((pos + _CENTRAL_CRC, pos + _CENTRAL_CRC + 4))
-        if i == payload:
-            pairs.append((descriptor - end, at + _CENTRAL_CRC))
-        pos += _CENTRAL.size + n_name + n_extra + n_comment
-    return ZipShape(
-        length,
-        head,
-        tail,
-        _keep(masks, 0, start),
-        _keep(masks, end, length),
-        tuple(pairs),
-    )
+            masks.append((r.entry + _CENTRAL_CRC, r.entry + _CENTRAL_CRC + 4))
+    pair = (descriptor - end, record.entry + _CENTRAL_CRC - end)  # both in the tail
+    return ZipShape(length, head, tail, _keep(masks, 0, start), _keep(masks, end, length), pair)
+
+
+def _limits(records: list[ZipRecord], directory: int) -> list[int]:
+    """Where what follows each record starts: the next record's local header, or the central
+    directory after the last."""
+    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    limits = [directory] * len(records)
+    for j, i in enumerate(order[:-1]):
+        limits[i] = records[order[j + 1]].header_offset
+    return limits
 
 
 def _keep(masks: list[tuple[int, int]], lo: int, hi: int) -> tuple[tuple[int, int], ...]:
