@@ -13,6 +13,7 @@ Offsets are relative to the archive's start, which may lie inside a larger file 
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ __all__ = [
     "ZipRecord",
     "ZipShape",
     "ZipSpan",
+    "ZipSpanBytes",
     "check_layout",
     "read_directory",
     "record_data",
@@ -326,46 +328,101 @@ def check_layout(
 
 _CENTRAL_CRC = 16
 """Where a central directory record holds its CRC-32."""
-_MAX_SHAPE_BYTES = 64 << 10
-"""Largest head or tail a :class:`ZipShape` keeps."""
+_CENTRAL_NAME = _CENTRAL.size
+"""Where a central directory record's name starts."""
+_MAX_SHAPE_BYTES = 1 << 20
+"""Most bytes a :class:`ZipShape` keeps (the pickle and the directory of a rank file of a
+65B-class model are about 150 KB)."""
+
+
+@dataclass(slots=True)
+class ZipSpanBytes:
+    """Bytes of an archive kept by a :class:`ZipShape`: ``data`` read at ``offset``, and the
+    ranges of it (relative to ``offset``) that are compared byte for byte: ``keep`` leaves out
+    every masked byte, ``strict`` compares the archive name too. Read-only by convention (not
+    frozen: a rank file has one per record)."""
+
+    offset: int
+    data: bytes
+    keep: tuple[tuple[int, int], ...]
+    strict: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class ZipShape:
-    """The bytes of a checked archive that its checks depend on, around one record's data.
+    """The bytes of a checked archive that its checks depend on: all of it but the data of its
+    payload records (the tensor storages).
 
-    ``head`` is the archive before that record's data, ``tail`` the archive after it. An
-    archive of the same length whose head and tail equal these, except in the bytes masked
-    out, passes :func:`read_directory`, :func:`record_data` and :func:`check_layout` exactly as
-    this one did, and its records lie at the same places. Masked out are what those checks never
-    look at, and what differs between two tensors of one shape saved alike: the spans of the
-    records whose local headers were not read (torch's ``version`` and ``serialization_id``, as
-    in :func:`check_layout`) and the record's CRC-32, in its data descriptor and its directory
-    record. The one check left is :func:`check_layout`'s: the two CRC-32s agree. DCP stores
-    every tensor chunk as such a small zip, so a folder's chunks have a few shapes between them.
+    ``segments`` are the ranges between the payloads' data: the archive before the first, the
+    data descriptor of each and the local header of the next, the directory after the last.
+    An archive of the same length whose segments equal these, except in the bytes masked out,
+    passes :func:`read_directory`, :func:`record_data` and :func:`check_layout` exactly as this
+    one did, and its records lie at the same places. Masked out are what those checks never
+    look at, and what differs between two tensors of one shape saved alike:
+
+    * the spans of the records whose local headers were not read (torch's ``version`` and
+      ``serialization_id``, as in :func:`check_layout`);
+    * each payload's CRC-32, in its data descriptor and in its directory entry: the one check
+      left is :func:`check_layout`'s, that the two agree;
+    * the archive name that starts every record's name (``torch.save`` takes it from the file
+      name, so rank files differ there): another archive's must be the same at every place,
+      ASCII, and end in its only ``/``, so that its records split into the same parts.
+
+    DCP stores every tensor chunk as such a small zip, so a folder's chunks have a few shapes
+    between them; the rank files of a model-parallel set usually share one.
     """
 
     length: int
-    head: bytes
-    tail: bytes
-    head_keep: tuple[tuple[int, int], ...]
-    """Ranges of ``head`` compared byte for byte."""
-    tail_keep: tuple[tuple[int, int], ...]
-    crc_pair: tuple[int, int]
-    """The record's CRC-32 in its data descriptor and in its directory entry: positions in the
-    tail that must hold equal bytes."""
+    segments: tuple[ZipSpanBytes, ...]
+    crc_pairs: tuple[tuple[int, int, int, int], ...]
+    """Per payload, ``(segment, position, segment, position)``: where its CRC-32 lies in its
+    data descriptor and in its directory entry; the four bytes at each must be equal."""
+    prefix: bytes
+    names: tuple[tuple[int, int], ...]
+    """``(segment, position)`` of every place the archive name is written, in order."""
 
-    def matches(self, head: bytes, tail: bytes) -> bool:
-        if len(head) != len(self.head) or len(tail) != len(self.tail):
-            return False
-        for a, b in self.head_keep:
-            if head[a:b] != self.head[a:b]:
+    def matches(self, fd: int, start: int) -> bool:
+        """Whether the archive at ``start`` of ``fd`` (of this length) repeats this shape. Its
+        segments are read one at a time, stopping at the first that differs.
+
+        Segments are compared with the archive name included while they match so (the chunks
+        of a DCP file share their name), then with it masked, and the names checked after."""
+        got: list[bytes] = []
+        strict = 0  # segments before this one matched with the archive name included
+        for seg in self.segments:
+            mine = seg.data
+            data = os.pread(fd, len(mine), start + seg.offset)
+            if len(data) != len(mine):
                 return False
-        for a, b in self.tail_keep:
-            if tail[a:b] != self.tail[a:b]:
+            if strict == len(got):
+                for a, b in seg.strict:
+                    if data[a:b] != mine[a:b]:
+                        break
+                else:
+                    strict += 1
+                    got.append(data)
+                    continue
+            for a, b in seg.keep:
+                if data[a:b] != mine[a:b]:
+                    return False
+            got.append(data)
+        for s, a, t, b in self.crc_pairs:
+            if got[s][a : a + 4] != got[t][b : b + 4]:
                 return False
-        d, c = self.crc_pair
-        return tail[d : d + 4] == tail[c : c + 4]
+        if strict == len(got) or not self.names:
+            return True
+        n = len(self.prefix)
+        s, a = self.names[0]
+        prefix = self.prefix if s < strict else got[s][a : a + n]
+        return _plain_prefix(prefix) and not any(
+            s >= strict and got[s][a : a + n] != prefix for s, a in self.names
+        )
+
+
+def _plain_prefix(prefix: bytes) -> bool:
+    """An archive name that splits record names as torch's do: ASCII (decoded alike however
+    the record is flagged), ending in its only ``/``."""
+    return prefix.isascii() and prefix.find(b"/") == len(prefix) - 1
 
 
 def zip_shape(
@@ -373,36 +430,80 @@ def zip_shape(
     records: list[ZipRecord],
     spans: list[tuple[int, int] | None],
     directory: int,
-    payload: int,
+    payloads: list[int],
+    prefix: bytes,
 ) -> ZipShape | None:
     """The :class:`ZipShape` of an archive that passed :func:`check_layout`, around the data of
-    ``records[payload]``; ``spans[i]`` is where record ``i``'s data lies (``None`` for records
-    whose local header was not read). None where the shape would not be safe or small: the
-    payload has no data descriptor (its CRC-32 would sit in its local header), or the head or
-    tail is longer than ``_MAX_SHAPE_BYTES``."""
-    found = spans[payload]
-    record = records[payload]
-    if found is None or not record.flags & _DESCRIPTOR:
+    the records ``payloads`` (in any order); ``spans[i]`` is where record ``i``'s data lies
+    (``None`` for records whose local header was not read), ``prefix`` the archive name that
+    starts every record's name (may be empty). None where the shape would not be safe or
+    small: a payload has no data descriptor (its CRC-32 would sit in its local header), a
+    record's name lacks the prefix, or the kept bytes pass ``_MAX_SHAPE_BYTES``."""
+    found = []
+    for i in payloads:
+        where = spans[i]
+        if where is None or not records[i].flags & _DESCRIPTOR:
+            return None
+        found.append((where, i))
+    found.sort()
+    if prefix and not (
+        _plain_prefix(prefix) and all(r.raw_name.startswith(prefix) for r in records)
+    ):
         return None
-    start, end = found
-    length = span.length
-    if start > _MAX_SHAPE_BYTES or length - end > _MAX_SHAPE_BYTES:
+    bounds = [0]
+    for (start, end), _ in found:
+        bounds += [start, end]
+    bounds.append(span.length)
+    pairs_of_bounds = list(zip(bounds[::2], bounds[1::2]))
+    if sum(hi - lo for lo, hi in pairs_of_bounds) > _MAX_SHAPE_BYTES:
         return None
     limits = _limits(records, directory)
     masks = [(r.header_offset, limits[i]) for i, r in enumerate(records) if spans[i] is None]
     if masks and min(a for a, _ in masks) < len(_LOCAL_SIG):
         return None  # the archive's magic is checked before anything else: never mask it
-    head = span.read(0, start)
-    tail = span.read(end, length - end)
-    if len(head) != start or len(tail) != length - end:
+    raw = []
+    for lo, hi in pairs_of_bounds:
+        data = span.read(lo, hi - lo)
+        if len(data) != hi - lo:
+            return None
+        raw.append((lo, data))
+    # The directory follows every record's data: its entries lie in the last segment.
+    last, (tail_at, _) = len(raw) - 1, raw[-1]
+    if directory < tail_at:
         return None
-    descriptor = end + (4 if tail[:4] == _DESCRIPTOR_SIG else 0)
-    masks.append((descriptor, descriptor + 4))
-    for i, r in enumerate(records):  # their directory entries follow every record's data
-        if i == payload or spans[i] is None:
-            masks.append((r.entry + _CENTRAL_CRC, r.entry + _CENTRAL_CRC + 4))
-    pair = (descriptor - end, record.entry + _CENTRAL_CRC - end)  # both in the tail
-    return ZipShape(length, head, tail, _keep(masks, 0, start), _keep(masks, end, length), pair)
+    starts = [lo for lo, _ in pairs_of_bounds]
+    n = len(prefix)
+    names = []
+    name_masks = []
+    payload_set = set(payloads)
+    for i, r in enumerate(records):
+        at = r.entry + _CENTRAL_CRC
+        if spans[i] is None or i in payload_set:
+            masks.append((at, at + 4))
+        if n:
+            at = r.entry + _CENTRAL_NAME
+            name_masks.append((at, at + n))
+            names.append((last, at - tail_at))
+            if spans[i] is not None:  # its local header was read: the name is kept there too
+                at = r.header_offset + LOCAL_HEADER_BYTES
+                k = bisect.bisect_right(starts, at) - 1
+                if k < 0 or at + n > pairs_of_bounds[k][1]:
+                    return None
+                name_masks.append((at, at + n))
+                names.append((k, at - starts[k]))
+    pairs = []
+    for k, ((_, end), i) in enumerate(found):
+        after = raw[k + 1][1]  # the segment right after the payload's data
+        descriptor = end + (4 if after[:4] == _DESCRIPTOR_SIG else 0)
+        masks.append((descriptor, descriptor + 4))
+        pairs.append((k + 1, descriptor - end, last, records[i].entry + _CENTRAL_CRC - tail_at))
+    keeps = _keeps(masks + name_masks, pairs_of_bounds)
+    stricts = _keeps(masks, pairs_of_bounds) if name_masks else keeps
+    segments = tuple(
+        ZipSpanBytes(lo, data, keep, strict)
+        for (lo, data), keep, strict in zip(raw, keeps, stricts)
+    )
+    return ZipShape(span.length, segments, tuple(pairs), prefix, tuple(sorted(names)))
 
 
 def _limits(records: list[ZipRecord], directory: int) -> list[int]:
@@ -415,17 +516,29 @@ def _limits(records: list[ZipRecord], directory: int) -> list[int]:
     return limits
 
 
-def _keep(masks: list[tuple[int, int]], lo: int, hi: int) -> tuple[tuple[int, int], ...]:
-    """The ranges of ``[lo, hi)`` outside every mask, relative to ``lo``."""
+def _keeps(
+    masks: list[tuple[int, int]], ranges: list[tuple[int, int]]
+) -> list[tuple[tuple[int, int], ...]]:
+    """For each of ``ranges`` (sorted, disjoint), its parts outside every mask, relative to
+    its start: one sweep over the sorted masks."""
+    masks = sorted(masks)
     out = []
-    at = lo
-    for a, b in sorted(masks):
-        a, b = max(a, lo), min(b, hi)
-        if a >= b:
-            continue
-        if a > at:
-            out.append((at - lo, a - lo))
-        at = max(at, b)
-    if at < hi:
-        out.append((at - lo, hi - lo))
-    return tuple(out)
+    first = 0  # masks before this one end before the current range
+    count = len(masks)
+    for lo, hi in ranges:
+        while first < count and masks[first][1] <= lo:
+            first += 1
+        kept = []
+        at = lo  # kept up to here
+        for j in range(first, count):
+            a, b = masks[j]
+            if a >= hi:
+                break
+            if a > at:
+                kept.append((at - lo, a - lo))
+            if b > at:
+                at = b
+        if at < hi:
+            kept.append((at - lo, hi - lo))
+        out.append(tuple(kept))
+    return out

@@ -166,3 +166,82 @@ def test_a_chunk_recognised_by_its_shape_reads_as_a_full_parse_would(tmp_path: P
     # Flips in the data (and torch's random serialization id) are recognised; the rest fall
     # back to the full parse, which refuses or accepts them on its own.
     assert recognised > 2 * 24 * 4
+
+
+def _file_outcome(path: Path, shapes: dict | None) -> tuple[object, bool]:
+    """What reading the torch file at ``path`` gives (its storages and tensors, or the error),
+    and whether it was recognised: its pickle's objects are those of an archive in
+    ``shapes``."""
+    from lazyckpt.errors import CorruptModelCheckpointError
+    from lazyckpt.torch_zip import read_torch_archive
+
+    known = [k.obj for same in (shapes or {}).values() for k in same]  # before it is read
+    try:
+        a = read_torch_archive(path, shapes=shapes)
+    except CorruptModelCheckpointError as exc:
+        return ("error", str(exc)), False
+    tensors = {
+        k: (t.dtype, t.sizes, t.strides, t.storage_offset, t.storage.key, t.storage.numel)
+        for k, t in a.obj.items()
+    }
+    return (a.storage_offsets, tensors, a.forbidden), any(a.obj is k for k in known)
+
+
+def test_a_rank_file_recognised_by_its_shape_reads_as_a_full_parse_would(tmp_path: Path) -> None:
+    """The rank files of a model-parallel set are ``torch.save`` zips of one shape: the same
+    bytes but for the data, its CRCs, torch's serialization id and the archive name that
+    torch takes from the file name (``consolidated.00/`` against ``consolidated.01/``). Once
+    one is checked, the others are recognised by comparing bytes. Flip any byte of the second
+    file, one bit and all bits: reading it with the first one's shape known must give what a
+    full parse gives."""
+    folder = tmp_path / "mp"
+    folder.mkdir()
+    for rank in (0, 1):
+        torch.save(
+            {
+                "w": torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank,
+                "norm": torch.ones(5, dtype=torch.bfloat16) * (rank + 2),
+                "ids": torch.arange(3) * (rank + 1),
+            },
+            folder / f"consolidated.0{rank}.pth",
+        )
+    first, second = folder / "consolidated.00.pth", folder / "consolidated.01.pth"
+    clean = second.read_bytes()
+    assert len(clean) == first.stat().st_size and b"consolidated.01/data.pkl" in clean
+
+    shapes: dict = {}
+    want, _ = _file_outcome(second, None)
+    assert want[0] != "error"
+    _file_outcome(first, shapes)
+    assert _file_outcome(second, shapes) == (want, True)
+
+    # The archive name rewritten at every place it is written: another name that splits record
+    # names alike is recognised; one with a second "/" or a non-ASCII byte is not, and the full
+    # parse decides.
+    for name, same_shape in (
+        (b"consolidated-01/", True),
+        (b"consolidated/01/", False),
+        (b"consolidated\xe901/", False),
+    ):
+        assert len(name) == len(b"consolidated.01/")
+        second.write_bytes(clean.replace(b"consolidated.01/", name))
+        shapes = {}
+        _file_outcome(first, shapes)
+        got, recognised = _file_outcome(second, shapes)
+        assert recognised == same_shape, name
+        assert got == _file_outcome(second, None)[0], name
+
+    recognised = 0
+    for at in range(len(clean)):
+        for flip in (0x01, 0xFF):
+            raw = bytearray(clean)
+            raw[at] ^= flip
+            second.write_bytes(bytes(raw))
+            shapes = {}
+            _file_outcome(first, shapes)
+            got, known = _file_outcome(second, shapes)
+            recognised += known
+            assert got == _file_outcome(second, None)[0], (at, flip)
+    # Flips in the data (48 + 10 + 24 bytes) and in records never read are recognised; the
+    # rest fall back to the full parse, which refuses or accepts them on its own.
+    assert recognised > 2 * (48 + 10 + 24)

@@ -21,7 +21,13 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import PickleMemo, StoredTensor, TorchArchive, read_torch_archive
+from lazyckpt.torch_zip import (
+    PickleMemo,
+    ShapeMemo,
+    StoredTensor,
+    TorchArchive,
+    read_torch_archive,
+)
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -125,11 +131,20 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
 def _read_ranks(
     files: list[Path], restrict: bool
 ) -> list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]:
+    """Every rank file's archive and flat state dict. The files of a set usually hold one
+    ``data.pkl`` and, but for their data and its CRCs, the same bytes: it is unpickled once
+    (``PickleMemo``), and a file that repeats a checked one is recognised by comparing those
+    bytes (``ShapeMemo``) instead of being parsed again (MP-8: 0.8 ms a file against ~0.2)."""
     out = []
     memo: PickleMemo = {}
+    shapes: ShapeMemo | None = {} if len(files) > 1 else None
+    flats: dict[int, dict[str, StoredTensor]] = {}
     for f in files:
-        archive = read_torch_archive(f, restrict=restrict, memo=memo)
-        out.append((f, archive, archive.state_dict()))
+        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
+        flat = flats.get(id(archive.obj))
+        if flat is None:
+            flat = flats[id(archive.obj)] = archive.state_dict()
+        out.append((f, archive, flat))
     return out
 
 

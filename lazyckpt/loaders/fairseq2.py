@@ -19,7 +19,13 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import PickleMemo, StoredTensor, TorchArchive, read_torch_archive
+from lazyckpt.torch_zip import (
+    PickleMemo,
+    ShapeMemo,
+    StoredTensor,
+    TorchArchive,
+    read_torch_archive,
+)
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -89,7 +95,10 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             tp_size = len(grid_files)
             sdp_size = max(len(row) for row in grid_files)
             memo: PickleMemo = {}
-            grid = [[self._read(f, options.restrict, memo) for f in row] for row in grid_files]
+            shapes: ShapeMemo | None = {} if tp_size * sdp_size > 1 else None
+            grid = [
+                [self._read(f, options.restrict, memo, shapes) for f in row] for row in grid_files
+            ]
             files += [f for row in grid_files for f in row]
             first_file, (_, first) = grid_files[0][0], grid[0][0]
             for row_files, row in zip(grid_files, grid):
@@ -143,9 +152,11 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
 
     @staticmethod
     def _read(
-        f: Path, restrict: bool, memo: PickleMemo
+        f: Path, restrict: bool, memo: PickleMemo, shapes: ShapeMemo | None
     ) -> tuple[TorchArchive, dict[str, StoredTensor]]:
-        archive = read_torch_archive(f, restrict=restrict, memo=memo)
+        """A shard's archive and flat state dict; shards that repeat a checked one's bytes but
+        for their data are recognised, not parsed again (see ``ShapeMemo``)."""
+        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
         return archive, archive.state_dict()
 
 
