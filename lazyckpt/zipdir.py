@@ -414,9 +414,8 @@ class ZipShape:
         n = len(self.prefix)
         s, a = self.names[0]
         prefix = self.prefix if s < strict else got[s][a : a + n]
-        return _plain_prefix(prefix) and not any(
-            s >= strict and got[s][a : a + n] != prefix for s, a in self.names
-        )
+        written = {got[s][a : a + n] for s, a in self.names if s >= strict}
+        return _plain_prefix(prefix) and written <= {prefix}
 
 
 def _plain_prefix(prefix: bytes) -> bool:
