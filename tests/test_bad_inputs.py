@@ -867,6 +867,25 @@ def test_mp_valid_set_loads(tmp_path: Path) -> None:
     assert_same(got, {k: expected(t, MP_DIMS.get(k), layout) for k, t in MP_FULL.items()})
 
 
+@pytest.mark.parametrize("where", ["descriptor-crc", "local-name", "pickle"])
+def test_mp_damage_in_a_later_rank_file(tmp_path: Path, where: str) -> None:
+    """Rank files after the first are recognised by comparing their bytes with a checked one
+    (``zipdir.ZipShape``); damage there is still found when the set is indexed, and the error
+    names the damaged file."""
+    folder = write_mp(tmp_path / "mp_set", mp_shards(4))
+    victim = folder / "consolidated.02.pth"
+    raw = bytearray(victim.read_bytes())
+    if where == "descriptor-crc":  # the CRC-32 after the first storage's data
+        at = raw.index(b"PK\x07\x08", raw.index(b"consolidated.02/data/0")) + 4
+    elif where == "local-name":  # the archive name in a storage record's local header
+        at = raw.index(b"consolidated.02/data/0") + len("consolidated.0")
+    else:
+        at = raw.index(b"consolidated.02/data.pkl") + 200  # inside the pickle
+    raw[at] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    fails(folder, CORRUPT, ("consolidated.02.pth",), eager=True, shard_dims=MP_DIMS)
+
+
 @pytest.mark.parametrize(
     "ranks,names",
     [
