@@ -21,11 +21,11 @@ from dataclasses import dataclass
 __all__ = [
     "HEAD_BLOCK",
     "LOCAL_HEADER_BYTES",
+    "ShapeSegment",
     "ZipError",
     "ZipRecord",
     "ZipShape",
     "ZipSpan",
-    "ZipSpanBytes",
     "check_layout",
     "read_directory",
     "record_data",
@@ -336,8 +336,8 @@ _MAX_SHAPE_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
-class ZipSpanBytes:
-    """Bytes of an archive kept by a :class:`ZipShape`: ``data`` read at ``offset``, and the
+class ShapeSegment:
+    """Bytes of an archive that a :class:`ZipShape` keeps: ``data`` read at ``offset``, and the
     ranges of it (relative to ``offset``) that are compared byte for byte: ``keep`` leaves out
     every masked byte, ``strict`` compares the archive name too. Read-only by convention (not
     frozen: a rank file has one per record)."""
@@ -373,7 +373,7 @@ class ZipShape:
     """
 
     length: int
-    segments: tuple[ZipSpanBytes, ...]
+    segments: tuple[ShapeSegment, ...]
     crc_pairs: tuple[tuple[int, int, int, int], ...]
     """Per payload, ``(segment, position, segment, position)``: where its CRC-32 lies in its
     data descriptor and in its directory entry; the four bytes at each must be equal."""
@@ -499,7 +499,7 @@ def zip_shape(
     keeps = _keeps(masks + name_masks, pairs_of_bounds)
     stricts = _keeps(masks, pairs_of_bounds) if name_masks else keeps
     segments = tuple(
-        ZipSpanBytes(lo, data, keep, strict)
+        ShapeSegment(lo, data, keep, strict)
         for (lo, data), keep, strict in zip(raw, keeps, stricts)
     )
     return ZipShape(span.length, segments, tuple(pairs), prefix, tuple(sorted(names)))
