@@ -84,7 +84,7 @@ class ZipSpan:
     Blocks passed to :meth:`keep` stay in memory, and reads inside one are served from it.
     """
 
-    __slots__ = ("_blocks", "before", "fd", "length", "start")
+    __slots__ = ("_blocks", "before", "eocd", "fd", "length", "start")
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         self.fd, self.start, self.length = fd, start, length
@@ -92,6 +92,8 @@ class ZipSpan:
         self.before: dict[int, bytes] = {}
         """Up to ``_DESCRIPTOR_MAX`` bytes right before each local header read so far, by its
         offset: the data descriptor of the record before it, read in the same call."""
+        self.eocd = -1
+        """Where the end-of-directory record starts, once :func:`read_directory` found it."""
 
     def read(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer at the archive's end)."""
@@ -128,7 +130,7 @@ def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
     if at < 0:
         raise ZipError("no end-of-directory record: the file is truncated or not a zip")
     _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    end = tail_start + at  # where the directory should end, if no zip64 records sit between
+    span.eocd = end = tail_start + at  # where the directory ends, if no zip64 records follow
     loc = at - _LOCATOR.size
     if loc >= 0 and tail[loc : loc + 4] == _LOCATOR_SIG:
         # The zip64 end record sits right before its locator; reading it there (as zipfile
@@ -275,6 +277,9 @@ _DESCRIPTOR_MAX = 24
 
 _DESCRIPTOR_BODIES = (struct.Struct("<3I"), struct.Struct("<I2Q"))
 """CRC-32 and the two sizes, 32- or 64-bit (zip64)."""
+_SIGNED_DESCRIPTORS = tuple(len(_DESCRIPTOR_SIG) + body.size for body in _DESCRIPTOR_BODIES)
+"""The lengths of a data descriptor that starts with its signature (16, 24); without it, 12 or
+20."""
 
 
 def _descriptor_length(data: bytes, record: ZipRecord) -> int:
@@ -492,10 +497,17 @@ def zip_shape(
                 names.append((k, at - starts[k]))
     pairs = []
     for k, ((_, end), i) in enumerate(found):
-        after = raw[k + 1][1]  # the segment right after the payload's data
-        descriptor = end + (4 if after[:4] == _DESCRIPTOR_SIG else 0)
+        # Where the CRC-32 sits follows from the descriptor's length, which check_layout found
+        # to be the gap: 16 or 24 bytes with the signature, 12 or 20 without. Not from its first
+        # bytes, which are the CRC itself when there is no signature.
+        descriptor = end + (4 if limits[i] - end in _SIGNED_DESCRIPTORS else 0)
         masks.append((descriptor, descriptor + 4))
         pairs.append((k + 1, descriptor - end, last, records[i].entry + _CENTRAL_CRC - tail_at))
+    # read_directory looks for the zip64 locator's signature 20 bytes before the end record; in
+    # an archive without one those bytes lie in the last directory entry, maybe in its name.
+    probe = span.eocd - _LOCATOR.size
+    if any(a < probe + 4 and probe < b for a, b in masks + name_masks):
+        return None
     keeps = _keeps(masks + name_masks, pairs_of_bounds)
     stricts = _keeps(masks, pairs_of_bounds) if name_masks else keeps
     segments = tuple(

@@ -22,7 +22,9 @@ def _records(path: Path, start: int = 0, length: int | None = None) -> dict[str,
         placed = [record_data(span, r) for r in records]
         check_layout(span, records, [end for _, end in placed], directory)
         raw = path.read_bytes()
-        return {r.name: raw[start + at : start + at + r.size] for r, (at, _) in zip(records, placed)}
+        return {
+            r.name: raw[start + at : start + at + r.size] for r, (at, _) in zip(records, placed)
+        }
     finally:
         os.close(fd)
 
@@ -245,3 +247,107 @@ def test_a_rank_file_recognised_by_its_shape_reads_as_a_full_parse_would(tmp_pat
     # Flips in the data (48 + 10 + 24 bytes) and in records never read are recognised; the
     # rest fall back to the full parse, which refuses or accepts them on its own.
     assert recognised > 2 * (48 + 10 + 24)
+
+
+def _rezip(entries: list[tuple[bytes, bytes]], *, signed: bool, crcs: dict[bytes, int]) -> bytes:
+    """A stored zip of ``(name, data)`` records as a minimal writer lays it out: a data
+    descriptor after each record (with or without its signature), no zip64 end records.
+    ``crcs`` overrides the CRC-32 that a record's descriptor and directory entry hold."""
+    import struct
+    import zlib
+
+    out = bytearray()
+    central = bytearray()
+    for name, data in entries:
+        crc = crcs.get(name, zlib.crc32(data))
+        at = len(out)
+        out += struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0x08, 0, 0, 0, 0, 0, 0, len(name), 0)
+        out += name + data
+        out += (b"PK\x07\x08" if signed else b"") + struct.pack("<3I", crc, len(data), len(data))
+        central += struct.pack(
+            "<4s6H3I5HII", b"PK\x01\x02", 20, 20, 0x08, 0, 0, 0, crc, len(data), len(data),
+            len(name), 0, 0, 0, 0, 0, at,
+        )  # fmt: skip
+        central += name
+    directory = len(out)
+    out += central
+    n = len(entries)
+    out += struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, n, n, len(central), directory, 0)
+    return bytes(out)
+
+
+def _entries(obj: dict[str, torch.Tensor], name: str, last: str | None = None) -> list:
+    """The records ``torch.save`` writes for ``obj`` as the archive ``name`` (``last`` moved to
+    the end)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as zf:
+        entries = [
+            (f"{name}/{i.filename.split('/', 1)[1]}".encode(), zf.read(i)) for i in zf.infolist()
+        ]
+    if last is not None:
+        entries.sort(key=lambda e: e[0].endswith(last.encode()))
+    return entries
+
+
+def _ranks() -> list[dict[str, torch.Tensor]]:
+    return [
+        {"w": torch.arange(12.0).reshape(3, 4) + r, "i": torch.arange(3) * (r + 1)} for r in (0, 1)
+    ]
+
+
+def test_a_descriptor_whose_crc_reads_as_its_signature_is_not_misplaced(tmp_path: Path) -> None:
+    """Without their signature, a data descriptor's first four bytes are the CRC-32, which may
+    happen to read as the signature. The shape must place the CRC by the descriptor's length,
+    as the full parse did: else it masks a size field, and an archive whose CRC and directory
+    differ from the full parse's view is recognised."""
+    import struct
+
+    sig = int.from_bytes(b"PK\x07\x08", "little")
+    first = tmp_path / "consolidated.00.pth"
+    second = tmp_path / "consolidated.01.pth"
+    e0 = _entries(_ranks()[0], "consolidated.00")
+    e1 = _entries(_ranks()[1], "consolidated.01")
+    first.write_bytes(_rezip(e0, signed=False, crcs={b"consolidated.00/data/0": sig}))
+    clean = _rezip(e1, signed=False, crcs={})
+    # The second rank, with its data/0 descriptor's CRC set to the signature and the directory's
+    # CRC for data/0 set to the record's size: what a shape that took the first size field for
+    # the CRC would pair.
+    name = b"consolidated.01/data/0"
+    size = len(dict(e1)[name])
+    raw = bytearray(clean)
+    end = raw.index(name) + len(name) + size
+    raw[end : end + 4] = b"PK\x07\x08"
+    entry = raw.index(b"PK\x01\x02" + b"\x14\x00\x14\x00\x08\x00", raw.rindex(name) - 46)
+    assert raw[entry + 46 : entry + 46 + len(name)] == name
+    raw[entry + 16 : entry + 20] = struct.pack("<I", size)
+    for data in (clean, bytes(raw)):
+        second.write_bytes(data)
+        shapes: dict = {}
+        _file_outcome(first, shapes)
+        assert shapes, "the first file must give a shape for this test to mean anything"
+        got, recognised = _file_outcome(second, shapes)
+        assert got == _file_outcome(second, None)[0]
+        assert recognised == (data is clean)
+
+
+def test_a_zip64_locator_cannot_come_from_a_masked_archive_name(tmp_path: Path) -> None:
+    """An archive without zip64 end records has its last directory entry where the zip64
+    locator would be (20 bytes before the end record). If the archive name is masked there, a
+    second archive could write the locator's signature into its name, consistently at every
+    place, and be recognised although the full parse refuses it."""
+    first = tmp_path / "consolidated.00.pth"
+    second = tmp_path / "consolidated.01.pth"
+    first.write_bytes(
+        _rezip(_entries(_ranks()[0], "consolidated.00", last="/version"), signed=True, crcs={})
+    )
+    clean = _rezip(_entries(_ranks()[1], "consolidated.01", last="/version"), signed=True, crcs={})
+    renamed = clean.replace(b"consolidated.01/", b"conPK\x06\x07dated.01/")
+    assert len(renamed) == len(clean)
+    assert renamed[-22 - 20 : -22 - 16] == b"PK\x06\x07"  # the locator's place
+    for data in (clean, renamed):
+        second.write_bytes(data)
+        shapes: dict = {}
+        _file_outcome(first, shapes)
+        got, _ = _file_outcome(second, shapes)
+        assert got == _file_outcome(second, None)[0]
