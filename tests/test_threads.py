@@ -51,3 +51,24 @@ def test_the_setting_is_restored_when_the_block_raises() -> None:
     with pytest.raises(RuntimeError, match="inside"), one_intraop_thread():
         raise RuntimeError("inside")
     assert torch.get_num_threads() == before
+
+
+@needs_openmp
+def test_the_runtime_is_found_by_name_and_by_the_process_maps() -> None:
+    # The name lookup is the fast path; the maps scan is the fallback for runtimes shipped
+    # under another name. Each must reach the runtime torch reads its thread count from.
+    from lazyckpt import threads
+
+    def reaches_torch(lib: object) -> bool:
+        own = lib.omp_get_max_threads()  # type: ignore[attr-defined]
+        lib.omp_set_num_threads(1)  # type: ignore[attr-defined]
+        try:
+            return torch.get_num_threads() == 1
+        finally:
+            lib.omp_set_num_threads(own)  # type: ignore[attr-defined]
+
+    mapped = threads._mapped_runtimes()
+    assert any(reaches_torch(lib) for lib in mapped)
+    by_name = threads._by_name()
+    if by_name is not None:  # torch's runtime is libgomp.so.1 on this build
+        assert reaches_torch(by_name)
