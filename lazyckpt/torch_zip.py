@@ -47,6 +47,7 @@ __all__ = [
     "Unsupported",
     "flatten_state_dict",
     "read_torch_archive",
+    "read_torch_set",
     "restricted_find_class",
 ]
 
@@ -445,6 +446,27 @@ def read_torch_archive(
     finally:
         if own:
             os.close(fd)
+
+
+def read_torch_set(
+    files: Sequence[Path], *, restrict: bool = True
+) -> list[tuple[TorchArchive, dict[str, StoredTensor]]]:
+    """Every file's archive and flat state dict, for files saved alike (the rank files of a
+    model-parallel set, the shards of a fairseq2 stage). They usually hold one ``data.pkl``
+    and, but for their data and its CRCs, the same bytes: it is unpickled and flattened once
+    (``PickleMemo``), and a file that repeats a checked one is recognised by comparing those
+    bytes (``ShapeMemo``) instead of being parsed again (MP-8: ~0.2 ms a file against 0.6)."""
+    out = []
+    memo: PickleMemo = {}
+    shapes: ShapeMemo | None = {} if len(files) > 1 else None
+    flats: dict[int, dict[str, StoredTensor]] = {}
+    for f in files:
+        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
+        flat = flats.get(id(archive.obj))
+        if flat is None:
+            flat = flats[id(archive.obj)] = archive.state_dict()
+        out.append((archive, flat))
+    return out
 
 
 def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:

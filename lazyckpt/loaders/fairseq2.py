@@ -19,13 +19,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import (
-    PickleMemo,
-    ShapeMemo,
-    StoredTensor,
-    TorchArchive,
-    read_torch_archive,
-)
+from lazyckpt.torch_zip import read_torch_set
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -94,12 +88,10 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             grid_files = [_numbered(tp, _SDP, False) for tp in _numbered(stage, _TP, True)]
             tp_size = len(grid_files)
             sdp_size = max(len(row) for row in grid_files)
-            memo: PickleMemo = {}
-            shapes: ShapeMemo | None = {} if tp_size * sdp_size > 1 else None
-            grid = [
-                [self._read(f, options.restrict, memo, shapes) for f in row] for row in grid_files
-            ]
-            files += [f for row in grid_files for f in row]
+            stage_files = [f for row in grid_files for f in row]
+            read = iter(read_torch_set(stage_files, restrict=options.restrict))
+            grid = [[next(read) for _ in row] for row in grid_files]
+            files += stage_files
             first_file, (_, first) = grid_files[0][0], grid[0][0]
             for row_files, row in zip(grid_files, grid):
                 for f, (_, flat) in zip(row_files, row):
@@ -149,15 +141,6 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             files=files,
             source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
         )
-
-    @staticmethod
-    def _read(
-        f: Path, restrict: bool, memo: PickleMemo, shapes: ShapeMemo | None
-    ) -> tuple[TorchArchive, dict[str, StoredTensor]]:
-        """A shard's archive and flat state dict; shards that repeat a checked one's bytes but
-        for their data are recognised, not parsed again (see ``ShapeMemo``)."""
-        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
-        return archive, archive.state_dict()
 
 
 def _tp_shape(row: list[Cell]) -> tuple[int, ...]:
