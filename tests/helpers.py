@@ -204,3 +204,10 @@ sys.addaudithook(_audit)
 
 
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+needs_openmp = pytest.mark.skipif(
+    not sys.platform.startswith("linux")
+    or not torch.backends.openmp.is_available()
+    or torch.get_num_threads() < 2,
+    reason="needs Linux, torch built with OpenMP and at least two intra-op threads",
+)
+"""For ``lazyckpt.threads``: per-thread OpenMP settings, with more than one thread to cut."""

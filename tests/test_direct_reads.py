@@ -5,14 +5,13 @@ bits, whatever the destination's strides."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import same_bits
+from helpers import needs_openmp, same_bits
 from safetensors.torch import save_file
 from torch import nn
 
@@ -285,12 +284,7 @@ def test_pieces_of_a_few_short_runs_are_read_without_mapping_the_file(
     assert mapped == [tmp_path / "w.safetensors"]
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or not torch.backends.openmp.is_available()
-    or torch.get_num_threads() < 2,
-    reason="needs Linux, torch built with OpenMP and at least two intra-op threads",
-)
+@needs_openmp
 def test_copies_run_on_the_caller_alone_while_the_helper_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

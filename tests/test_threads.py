@@ -3,20 +3,13 @@ other thread's setting changes (``torch.set_num_threads`` would change the whole
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
 import torch
+from helpers import needs_openmp
 
 from lazyckpt.threads import one_intraop_thread
-
-needs_openmp = pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or not torch.backends.openmp.is_available()
-    or torch.get_num_threads() < 2,
-    reason="needs Linux, torch built with OpenMP and at least two intra-op threads",
-)
 
 
 @needs_openmp
