@@ -37,7 +37,10 @@ class CorruptModelCheckpointError(ModelCheckpointError):
     ) -> None:
         self.path = Path(path)
         self.key = key
-        text = message if str(self.path) in message else f"{self.path}: {message}"
+        # Prefixed unless the message already starts with the path (a rebuilt error): a path
+        # that merely occurs inside the message ("checkpoint") must not hide which file it is.
+        prefix = f"{self.path}:"
+        text = message if message.startswith(prefix) else f"{prefix} {message}"
         super().__init__(text)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -98,19 +98,25 @@ class Unsupported:
 
 
 class _Forbidden:
-    """Stands for a global off the allow-list: nothing is imported, calling it runs nothing."""
+    """Base of the stand-ins for globals off the allow-list (one subclass per global, made by
+    :func:`_forbidden`): nothing is imported, and calling one, or building an object of it the
+    way pickle does (``NEWOBJ``: ``cls.__new__(cls, ...)``, which needs a class), runs nothing
+    and gives an :class:`Unsupported` that names the global."""
 
-    def __init__(self, module: str, name: str, seen: list[str]) -> None:
-        self.qualname = f"{module}.{name}"
-        self.__name__ = name
-        seen.append(self.qualname)
+    qualname: ClassVar[str] = ""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Unsupported:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Unsupported:  # type: ignore[misc]
         return Unsupported(
-            f"an object of the global '{self.qualname}'",
+            f"an object of the global '{cls.qualname}'",
             "that global is off the allow-list and unpickling it could run code from the file; "
             "if you trust the file, load with restrict=False",
         )
+
+
+def _forbidden(module: str, name: str, seen: list[str]) -> type[_Forbidden]:
+    qualname = f"{module}.{name}"
+    seen.append(qualname)
+    return type(name, (_Forbidden,), {"qualname": qualname, "__module__": __name__})
 
 
 # -- the allow-list unpickler --------------------------------------------------------------
@@ -304,7 +310,7 @@ class _IndexUnpickler(pickle.Unpickler):
         if found is not None:
             return found
         if self._restrict:
-            return _Forbidden(module, name, self.forbidden)
+            return _forbidden(module, name, self.forbidden)
         return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:

@@ -10,6 +10,8 @@ child process, so a SIGBUS fails the test instead of killing the run.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -470,6 +472,21 @@ def test_empty_folder(tmp_path: Path) -> None:
     fails(folder, CORRUPT, ("empty_ckpt",), eager=True)
 
 
+def test_message_names_the_path_even_where_its_name_is_a_word_of_the_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A relative path whose text occurs in the message ("holds no checkpoint files", "the file
+    # holds a list") must still lead it.
+    monkeypatch.chdir(tmp_path)
+    Path("checkpoint").mkdir()
+    torch.save([torch.ones(2)], "model")
+    for name in ("checkpoint", "model"):
+        with pytest.raises(CORRUPT) as info:
+            lazyckpt.get_model_checkpoint_loader().lazy_load(name, {})
+        assert str(info.value).startswith(f"{name}: "), str(info.value)
+        assert info.value.path == Path(name)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_index_names_a_missing_file(tmp_path: Path, fmt: str) -> None:
     names, index = _sharded(tmp_path / "ckpt", fmt)
@@ -747,6 +764,27 @@ def test_torch_pickle_with_forbidden_global_never_runs(
     outcome = fails(path, CORRUPT, names)
     assert not marker.exists(), "the pickle payload ran"
     assert "system" in outcome["message"] or "exec" in outcome["message"], outcome["message"]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    lr: float = 0.1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [argparse.Namespace(lr=0.1), TrainConfig()],
+    ids=["argparse.Namespace", "dataclass"],
+)
+def test_training_checkpoint_with_objects_beside_the_weights(tmp_path: Path, extra: Any) -> None:
+    # Training checkpoints keep their config beside the weights. Pickle builds such objects
+    # with NEWOBJ, which needs a class: the stand-in for a global off the allow-list must be
+    # one, so that the error names the global and the way out (and restrict=False loads).
+    path = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.arange(3.0)}, "args": extra}, path)
+    outcome = fails(path, CORRUPT, ("train.pt", type(extra).__name__, "restrict=False"))
+    assert "NEWOBJ" not in outcome["message"], outcome["message"]
+    assert_same(load(path, restrict=False), {"w": torch.arange(3.0)})
 
 
 @pytest.mark.parametrize(
