@@ -19,7 +19,7 @@ import traceback
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -94,8 +94,10 @@ def _note(text: str) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
+    text = " ".join((str(exc) or type(exc).__name__).split())
+    if "restrict=False" in text:  # the library's way out, as the command line spells it
+        text += " (on the command line: --no-restrict)"
+    return text
 
 
 # -- shard dims ----------------------------------------------------------------------------
@@ -164,7 +166,9 @@ def load_shard_dims(spec: str) -> ShardDimsChoice:
     return ShardDimsChoice(dict(doc), f"file {path}")
 
 
-def detect_preset(loader: IndexedCheckpointLoader, path: Path) -> str | None:
+def detect_preset(
+    loader: IndexedCheckpointLoader, path: Path, base: ModelCheckpointLoadOptions | None = None
+) -> str | None:
     """The one Llama fairscale preset under which the checkpoint is consistent, if any.
 
     Llama's ``tok_embeddings`` and ``output`` weights are both (vocab, dim); only the right rule
@@ -178,7 +182,7 @@ def detect_preset(loader: IndexedCheckpointLoader, path: Path) -> str | None:
         dims = PresetShardDims(preset)
         try:
             # Bad keys are dropped, so one damaged tensor does not hide the layout.
-            index, _ = index_collecting(loader, path, dims, Problems())
+            index, _ = index_collecting(loader, path, dims, Problems(), base)
         except ValueError:
             continue
         if index is None:
@@ -190,13 +194,16 @@ def detect_preset(loader: IndexedCheckpointLoader, path: Path) -> str | None:
 
 
 def resolve_shard_dims(
-    spec: str | None, loader: IndexedCheckpointLoader, path: Path
+    spec: str | None,
+    loader: IndexedCheckpointLoader,
+    path: Path,
+    base: ModelCheckpointLoadOptions | None = None,
 ) -> ShardDimsChoice:
     """``--shard-dims`` if given; for a fairscale MP-N folder without it, a preset detected
     from the shapes; else none (every key replicated)."""
     if spec is not None:
         return load_shard_dims(spec)
-    name = detect_preset(loader, path)
+    name = detect_preset(loader, path, base)
     if name is not None:
         _note(f"shard dims: detected preset {name} from the shapes; pass --shard-dims to override")
         return ShardDimsChoice(PresetShardDims(PRESETS[name]), f"detected {name}")
@@ -231,9 +238,10 @@ def _file_sizes(index: CheckpointIndex) -> list[tuple[Path, int]]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
+    base = _base_options(args)
     loader = detect_loader(path)
-    choice = resolve_shard_dims(args.shard_dims, loader, path)
-    index = loader.index(path, choice.dims)
+    choice = resolve_shard_dims(args.shard_dims, loader, path, base)
+    index = loader.index(path, choice.dims, base)
     _warn_no_dims(choice, index)
     keys = list(index.entries)
     dims = choice.concrete(keys)
@@ -363,10 +371,11 @@ def _layout_of(args: argparse.Namespace) -> Layout:
 def cmd_plan(args: argparse.Namespace) -> int:
     path = Path(args.path)
     layout = _layout_of(args)
+    base = _base_options(args)
     loader = detect_loader(path)
-    choice = resolve_shard_dims(args.shard_dims, loader, path)
+    choice = resolve_shard_dims(args.shard_dims, loader, path, base)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    options = ModelCheckpointLoadOptions(layout=layout, dtype=dtype)
+    options = replace(base, layout=layout, dtype=dtype)
     index, plans = loader.plan(path, choice.dims, options)
     _warn_no_dims(choice, index, layout.tp_size)
     s = summarize_plans(plans, dtype=dtype, prefetch_bytes=options.prefetch_bytes)
@@ -470,13 +479,14 @@ def index_collecting(
     path: Path,
     dims: Mapping[str, int],
     problems: Problems,
+    base: ModelCheckpointLoadOptions | None = None,
 ) -> tuple[CheckpointIndex | None, set[str]]:
     """Index ``path``; when a key is bad, note it, drop it and index again, so one bad key does
     not hide the next. Returns the index (``None`` when a problem names no key) and the
     dropped keys."""
     dropped: set[str] = set()
     while True:
-        options = ModelCheckpointLoadOptions(key_map=_drop(frozenset(dropped)))
+        options = replace(base or ModelCheckpointLoadOptions(), key_map=_drop(frozenset(dropped)))
         try:
             return loader.index(path, dims, options), dropped
         except ModelCheckpointError as exc:
@@ -534,6 +544,7 @@ def read_collecting(
     problems: Problems,
     stats: LoadStats,
     progress: bool,
+    base: ModelCheckpointLoadOptions | None = None,
 ) -> int:
     """Read every byte of every key not in ``skip`` (whole tensors, every replica copy compared,
     with ``pread`` so an I/O error is an error and not a crash); after a bad key, go on from
@@ -542,7 +553,8 @@ def read_collecting(
     skipped = set(skip)
     while True:
         drop = frozenset(skipped | set(done))
-        options = ModelCheckpointLoadOptions(
+        options = replace(
+            base or ModelCheckpointLoadOptions(),
             key_map=_drop(drop),
             mmap=False,
             verify_replicas=True,
@@ -646,14 +658,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
     progress = _progress_enabled() and not args.json
     problems = Problems()
+    base = _base_options(args)
     try:
         loader = detect_loader(path)
     except (ModelCheckpointError, FileNotFoundError) as exc:
         problems.add(exc)
         return _verify_report(args, path, None, problems, 0, 0, 0)
-    choice = resolve_shard_dims(args.shard_dims, loader, path)
+    choice = resolve_shard_dims(args.shard_dims, loader, path, base)
     dims = choice.dims
-    index, dropped = index_collecting(loader, path, dims, problems)
+    index, dropped = index_collecting(loader, path, dims, problems, base)
     targets: list[tuple[IndexedCheckpointLoader, Path, CheckpointIndex, set[str]]] = []
     if index is not None:
         _warn_no_dims(choice, index)
@@ -665,7 +678,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             except ModelCheckpointError as exc:
                 problems.add(exc)
                 continue
-            findex, fdropped = index_collecting(floader, f, dims, problems)
+            findex, fdropped = index_collecting(floader, f, dims, problems, base)
             if findex is not None:
                 targets.append((floader, f, findex, fdropped))
     stats = LoadStats()
@@ -675,7 +688,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         files += len(tindex.files)
         bad = check_entries(tindex, dims, problems) | tdropped
         if args.read:
-            read_collecting(tloader, tpath, dims, bad, problems, stats, progress)
+            read_collecting(tloader, tpath, dims, bad, problems, stats, progress, base)
             if tindex.format in _TORCH_ZIP_FORMATS:
                 crc_bytes += check_zip_crcs(tindex, problems, progress)
     # Replica copies read to be compared are in total_bytes_read already.
@@ -729,9 +742,10 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
     src = Path(args.src)
     max_shard = parse_size(args.max_shard_size)
+    base = _base_options(args)
     loader = detect_loader(src)
-    choice = resolve_shard_dims(args.shard_dims, loader, src)
-    index = loader.index(src, choice.dims)
+    choice = resolve_shard_dims(args.shard_dims, loader, src, base)
+    index = loader.index(src, choice.dims, base)
     if args.format == "consolidated" and args.tp > 1 and not choice.concrete(list(index.entries)):
         raise UsageError(
             f"--format consolidated --tp {args.tp} needs --shard-dims: without it no key is split "
@@ -750,6 +764,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         max_shard_size=max_shard,
         force=args.force,
         progress=_progress_enabled() and not args.json,
+        # reshard's own defaults (pread, no read-ahead), with the unpickling rule of the flags
+        options=ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0, restrict=base.restrict),
         loader=loader,
     )
     if args.json:
@@ -802,6 +818,20 @@ def _add_common(p: argparse.ArgumentParser, *, json_help: str = "machine-readabl
     )
 
 
+def _add_no_restrict(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-restrict",
+        action="store_true",
+        help="unpickle torch files with any global, not only tensors, containers and dtypes "
+        "(restrict=False: this runs code from the file; only for files you trust)",
+    )
+
+
+def _base_options(args: argparse.Namespace) -> ModelCheckpointLoadOptions:
+    """The options every command starts from: the unpickling rule of ``--no-restrict``."""
+    return ModelCheckpointLoadOptions(restrict=not getattr(args, "no_restrict", False))
+
+
 def _add_shard_dims(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shard-dims",
@@ -850,6 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="format, source layout and every key (metadata only)")
     p.add_argument("path", metavar="PATH")
     _add_shard_dims(p)
+    _add_no_restrict(p)
     _add_common(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -860,6 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (default 1)")
     p.add_argument("--dp-rank", type=_rank, default=0, metavar="R", help="FSDP rank (default 0)")
     _add_shard_dims(p)
+    _add_no_restrict(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors")
     _add_common(p)
     p.set_defaults(func=cmd_plan)
@@ -867,6 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="every check that can be made; exit 1 naming each problem")
     p.add_argument("path", metavar="PATH")
     _add_shard_dims(p)
+    _add_no_restrict(p)
     p.add_argument(
         "--read",
         action="store_true",
@@ -881,6 +914,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, required=True, metavar="N", help="target TP size")
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (safetensors)")
     _add_shard_dims(p)
+    _add_no_restrict(p)
     p.add_argument(
         "--format",
         choices=("consolidated", "safetensors"),

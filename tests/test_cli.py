@@ -7,6 +7,7 @@ itself writes for the same dict.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -217,6 +219,31 @@ def test_plan_text(capsys: pytest.CaptureFixture[str], mp4) -> None:
 # -- verify ----------------------------------------------------------------------------------
 
 
+def test_a_training_checkpoint_needs_no_restrict_to_be_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A config object beside the weights is off the allow-list: every command refuses the file
+    # and names the flag, and every command reads it with --no-restrict.
+    path = tmp_path / "train.pt"
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    torch.save({"model": weights, "args": argparse.Namespace(lr=0.1)}, path)
+    dst = tmp_path / "out"
+    commands: list[tuple[Any, ...]] = [
+        ("inspect", path),
+        ("plan", path, "--tp", "1"),
+        ("verify", path, "--read"),
+        ("reshard", path, dst, "--tp", "1", "--format", "safetensors"),
+    ]
+    for argv in commands:
+        rc, out, err = run(capsys, *argv)
+        assert rc == 1, (argv, out, err)
+        assert "argparse.Namespace" in out + err and "--no-restrict" in out + err, (argv, out, err)
+        rc, out, err = run(capsys, *argv, "--no-restrict")
+        assert rc == 0, (argv, out, err)
+    (written,) = sorted(dst.glob("*.safetensors"))
+    assert torch.equal(load_file(written)["w"], weights["w"])
+
+
 def test_verify_a_good_checkpoint(capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path) -> None:
     folder, _, _ = mp4
     for extra in ([], ["--read"]):
@@ -282,6 +309,21 @@ def test_verify_truncated_file_names_file_and_key(
     assert not doc["ok"]
     (problem,) = doc["problems"]
     assert str(victim) in problem and "key '" in problem
+
+
+def test_verify_names_every_key_a_truncation_cut_off(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Every key past the cut is named, not only the first.
+    sd = {f"cut_key_{i}": torch.full((64,), float(i)) for i in range(5)}
+    victim = tmp_path / "cut.safetensors"
+    save_file(sd, victim)
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 3 * 256 - 10])  # 4 keys lose bytes
+    doc = json.loads(_verify_json(capsys, victim))
+    text = " ".join(doc["problems"])
+    assert [k for k in sd if repr(k) in text] == [f"cut_key_{i}" for i in range(1, 5)], text
+    assert str(victim) in text
 
 
 def _verify_json(capsys: pytest.CaptureFixture[str], path: Path) -> str:
@@ -473,6 +515,7 @@ def test_a_reshard_that_fails_midway_leaves_nothing(
 _INTERRUPTED_CHILD = """
 import sys, time
 from pathlib import Path
+from typing import Any
 import lazyckpt.writers as w
 from lazyckpt.cli import main
 

@@ -130,9 +130,16 @@ def _read_file(path: Path) -> list[FileTensor]:
             path, "header's __metadata__ must be an object of strings"
         )
     parsed = []
+    bad: list[CorruptModelCheckpointError] = []
     for order, (key, info) in enumerate(header.items()):
-        begin, end, tensor = _parse_entry(path, key, info, data_start, data_len)
+        try:
+            begin, end, tensor = _parse_entry(path, key, info, data_start, data_len)
+        except CorruptModelCheckpointError as exc:
+            bad.append(exc)
+            continue
         parsed.append((begin, end, order, tensor))
+    if bad:
+        raise _all_of(path, bad)
     # Physical order: reads run forward through the file, as the safetensors writer laid it out.
     parsed.sort(key=lambda t: t[:3])
     out = []
@@ -158,6 +165,22 @@ def _read_file(path: Path) -> list[FileTensor]:
             "the file has trailing bytes or a truncated header",
         )
     return out
+
+
+_LISTED = 5
+
+
+def _all_of(path: Path, bad: list[CorruptModelCheckpointError]) -> CorruptModelCheckpointError:
+    """One error for every bad header entry (a truncated file has one per key past the cut),
+    so that none hides the others; it carries the first key."""
+    if len(bad) == 1:
+        return bad[0]
+    prefix = f"{path}: "
+    listed = "; ".join(str(e).removeprefix(prefix) for e in bad[:_LISTED])
+    more = f"; and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
+    return CorruptModelCheckpointError(
+        path, f"{len(bad)} keys have bad header entries: {listed}{more}", key=bad[0].key
+    )
 
 
 def _parse_entry(
