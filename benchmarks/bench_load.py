@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
         print(f"\nwrote {args.json}")
-    return 1 if any("gbps" not in r for r in rows) else 0
+    # A row fails if any run of it failed or gave a wrong checksum, not only if all did.
+    return 1 if any(r["errors"] or r.get("check") == "BAD" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ class Deliverer:
 
     def __init__(self, options: ModelCheckpointLoadOptions) -> None:
         self.options = options
-        device = options.target_device
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"options.device is {device} but CUDA is not available here")
+        options.usable_device()
         self.mesh = options.mesh
         if self.mesh is not None:
             self.layout = options.target_layout()

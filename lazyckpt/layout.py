@@ -58,8 +58,9 @@ class Layout:
         """This process's layout on a ``DeviceMesh``.
 
         ``tp_dim``/``dp_dim`` name (or index) the mesh dims; left out, they are looked up by the
-        usual names (``tp``; ``dp``, ``dp_shard``, ``fsdp``). A 1-D unnamed mesh needs one of
-        them spelled out, since nothing says whether it is TP or FSDP.
+        usual names (TP: ``tp``, ``tensor_parallel``, ``model_parallel``, ``mp``; FSDP: ``dp``,
+        ``dp_shard``, ``fsdp``, ``data_parallel``). A 1-D unnamed mesh needs one of them spelled
+        out, since nothing says whether it is TP or FSDP.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if tp_dim is None and dp_dim is None:
@@ -68,7 +69,8 @@ class Layout:
             if tp_dim is None and dp_dim is None:
                 raise ValueError(
                     f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "
-                    f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index)"
+                    f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index), or name "
+                    "the mesh dims (init_device_mesh(..., mesh_dim_names=('tp',)) or ('dp',))"
                 )
         tp_size, tp_rank = _mesh_dim(mesh, tp_dim, names, "tp_dim")
         dp_size, dp_rank = _mesh_dim(mesh, dp_dim, names, "dp_dim")

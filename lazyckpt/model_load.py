@@ -194,9 +194,12 @@ def load_into(
     their local shard, read straight from the source. ``shard_dims`` says how a model-parallel
     source is split; left out, it is inferred from the model's shapes. With ``strict`` a key
     missing on either side raises :class:`KeyMismatchError` before anything is read; shape
-    mismatches always do. ``options.layout`` is ignored: each tensor's own box is used.
+    mismatches always do. ``options.layout``, ``mesh``, ``dtype``, ``contiguous`` and
+    ``prefetch_bytes`` do not apply: each target's own box, dtype and storage decide (a
+    checkpoint tensor is cast to its target's dtype), and nothing is read ahead of its place.
     """
     options = options or ModelCheckpointLoadOptions()
+    device = options.usable_device()
     targets = _targets(model)
     loader = detect_loader(path)
     report = LoadReport(stats=options.stats if options.stats is not None else LoadStats())
@@ -262,7 +265,6 @@ def load_into(
         verify_max_bytes=options.verify_replicas_max_bytes,
         boxes=boxes,
     )
-    device = options.target_device
     destinations = {key: _destination(key, targets[key], device) for key in index.entries}
     pool = None
     if any(d.device.type == "cuda" for d in destinations.values()):

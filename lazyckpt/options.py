@@ -99,6 +99,13 @@ class ModelCheckpointLoadOptions:
     def target_device(self) -> torch.device:
         return torch.device("cpu") if self.device is None else torch.device(self.device)
 
+    def usable_device(self) -> torch.device:
+        """:attr:`target_device`, refused with a ``ValueError`` where it cannot be used."""
+        device = self.target_device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"options.device is {device} but CUDA is not available here")
+        return device
+
     def target_layout(self) -> Layout:
         if self.mesh is not None:
             layout = Layout.from_mesh(self.mesh)

@@ -71,6 +71,15 @@ def test_meta_model_materializes_on_the_target_device(sources: dict[str, Path]) 
     assert isinstance(model.up.weight, nn.Parameter) and model.up.weight.requires_grad
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
+def test_a_cuda_device_without_cuda_is_a_value_error(sources: dict[str, Path]) -> None:
+    with torch.device("meta"):
+        model = OddModel()
+    options = lazyckpt.ModelCheckpointLoadOptions(device="cuda")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        lazyckpt.load_into(model, sources["pt"], options=options)
+
+
 def test_strict_reports_missing_and_unexpected_before_reading(tmp_path: Path) -> None:
     truth = odd_model_truth()
     partial = {k: v for k, v in truth.items() if k != "down.bias"}
