@@ -53,6 +53,7 @@ finish within one call of each other (:class:`ReadQueue`)."""
 _IOV_MAX = 1024
 """Iovecs per ``preadv`` (Linux's ``IOV_MAX``)."""
 _SLAB_BYTES = 8 << 20
+_ALIGN = 64
 """Largest bounce buffer for slab reads."""
 _RAW_BYTES = 1 << 20
 """Largest piece :meth:`Reader.raw` hands out as bytes (a copy; replica norms are a few KiB)."""
@@ -70,7 +71,7 @@ class _OpenFile:
             os.close(self.fd)
             raise
         self._map: ctypes.Array[ctypes.c_char] | None = None
-        self.flats: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
         """Flat tensors over the mapping, by dtype and start byte (see ``Reader._flat``)."""
 
     def mapping(self) -> ctypes.Array[ctypes.c_char]:
@@ -150,23 +151,43 @@ class Reader:
         freed blocks of this size around."""
         buf: torch.Tensor | None = getattr(self._local, "bounce", None)
         if buf is None or buf.numel() < nbytes:
-            buf = alloc.empty((max(nbytes, _SLAB_BYTES),), torch.uint8)
+            # A whole number of elements of any dtype, whichever piece reuses it next.
+            size = -(-max(nbytes, _SLAB_BYTES) // _ALIGN) * _ALIGN
+            buf = alloc.empty((size,), torch.uint8)
             self._local.bounce = buf
         return buf
 
-    def _flat(self, f: _OpenFile, dtype: torch.dtype, shift: int) -> torch.Tensor:
-        """The whole mapped file as a flat ``dtype`` tensor starting at byte ``shift``: copies
-        take pieces of it with one ``as_strided`` (never yielded, so no caller ever holds a
-        storage spanning the whole file)."""
-        flat = f.flats.get((dtype, shift))
+    def _flat(self, f: _OpenFile, dtype: torch.dtype) -> torch.Tensor:
+        """The whole mapped file as a flat ``dtype`` tensor: copies take pieces of it with one
+        ``as_strided`` (never yielded, so no caller ever holds a storage spanning the whole
+        file); only pieces at multiples of the itemsize are taken as ``dtype``."""
+        flat = f.flats.get(dtype)
         if flat is None:
             with self._lock:
-                flat = f.flats.get((dtype, shift))  # another thread may have made it
+                flat = f.flats.get(dtype)  # another thread may have made it
                 if flat is None:
-                    count = (f.size - shift) // dtype.itemsize
-                    flat = torch.frombuffer(f.mapping(), dtype=dtype, count=count, offset=shift)
-                    f.flats[(dtype, shift)] = flat
+                    count = f.size // dtype.itemsize
+                    flat = f.flats[dtype] = torch.frombuffer(f.mapping(), dtype=dtype, count=count)
         return flat
+
+    def _unaligned(
+        self,
+        f: _OpenFile,
+        first: int,
+        dtype: torch.dtype,
+        sizes: tuple[int, ...],
+        strides: tuple[int, ...],
+    ) -> torch.Tensor:
+        """A copy of a piece whose elements do not lie at multiples of their size (a DCP chunk's
+        zip starts anywhere in its file), made byte by byte: torch's kernels may assume
+        aligned elements (a complex128 copy from such an address crashes)."""
+        itemsize = dtype.itemsize
+        src = self._flat(f, torch.uint8).as_strided(
+            (*sizes, itemsize), (*(s * itemsize for s in strides), 1), first
+        )
+        out = torch.empty(sizes, dtype=dtype)
+        out.reshape(-1).view(torch.uint8).view(*sizes, itemsize).copy_(src)
+        return out
 
     def _region(self, chunk: Chunk) -> FileRegion:
         data = chunk.data
@@ -196,6 +217,8 @@ class Reader:
         if not strided and not is_dense(piece.sizes, region.strides):
             return None
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+        if first % dtype.itemsize:
+            return None  # not at an address torch may read as dtype (see copy)
         self._count(region.path, piece.numel * dtype.itemsize)
         flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
         return flat.as_strided(piece.sizes, region.strides)
@@ -284,8 +307,11 @@ class Reader:
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             itemsize = dtype.itemsize
-            flat = self._flat(f, dtype, first % itemsize)
-            dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
+            if first % itemsize:
+                dst_view.copy_(self._unaligned(f, first, dtype, piece.sizes, region.strides))
+            else:
+                flat = self._flat(f, dtype)
+                dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
             self._count(region.path, piece.numel * itemsize)
         else:
             self._pread(region, dtype, piece, dst_view, key)

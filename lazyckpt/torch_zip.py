@@ -190,7 +190,15 @@ def _rebuild_tensor_v3(
     if not isinstance(dtype, torch.dtype):
         raise _PickleError(f"tensor dtype {dtype!r} is not a torch.dtype")
     if isinstance(storage, _StorageRef):
-        storage = _StorageRef(storage.key, dtype, storage.numel)
+        # torch writes v3 for dtypes without a typed storage class (uint16/32/64, complex32):
+        # the storage is an UntypedStorage whose numel counts bytes.
+        nbytes = storage.numel * storage.dtype.itemsize
+        if nbytes % dtype.itemsize:
+            raise _PickleError(
+                f"storage {storage.key} of {nbytes} bytes is not a whole number of {dtype} "
+                "elements"
+            )
+        storage = _StorageRef(storage.key, dtype, nbytes // dtype.itemsize)
     return _rebuild_tensor(storage, storage_offset, size, stride)
 
 
