@@ -31,6 +31,8 @@ class CorruptModelCheckpointError(ModelCheckpointError):
 
     path: Path
     key: str | None
+    detail: str
+    """The message without the path in front, for an error that wraps this one."""
 
     def __init__(
         self, path: str | os.PathLike[str], message: str, *, key: str | None = None
@@ -39,9 +41,9 @@ class CorruptModelCheckpointError(ModelCheckpointError):
         self.key = key
         # Prefixed unless the message already starts with the path (a rebuilt error): a path
         # that merely occurs inside the message ("checkpoint") must not hide which file it is.
-        prefix = f"{self.path}:"
-        text = message if message.startswith(prefix) else f"{prefix} {message}"
-        super().__init__(text)
+        prefix = f"{self.path}: "
+        self.detail = message.removeprefix(prefix)
+        super().__init__(prefix + self.detail)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keeps the error picklable across spawned processes.

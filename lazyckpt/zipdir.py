@@ -133,8 +133,8 @@ def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
     span.eocd = end = tail_start + at  # where the directory ends, if no zip64 records follow
     loc = at - _LOCATOR.size
     if loc >= 0 and tail[loc : loc + 4] == _LOCATOR_SIG:
-        # The zip64 end record sits right before its locator; reading it there (as zipfile
-        # does) instead of at the locator's offset also holds when bytes were prepended.
+        # The zip64 end record sits right before its locator; it is read there, as zipfile
+        # does, and its offsets are then checked like the 32-bit ones.
         eocd64_at = tail_start + loc - _EOCD64.size
         rec = span.read(eocd64_at, _EOCD64.size) if eocd64_at >= 0 else b""
         if len(rec) < _EOCD64.size or rec[:4] != _EOCD64_SIG:
@@ -145,15 +145,21 @@ def read_directory(span: ZipSpan) -> tuple[list[ZipRecord], int]:
         raise ZipError("the zip64 end records are missing")
     if disk != 0 or cd_disk != 0 or n_disk != n_total:
         raise ZipError("a multi-disk zip is not a torch file")
-    # Bytes prepended to the archive shift every offset by the same amount (zipfile allows it).
+    # Nothing may come before the archive: torch.save writes nothing there and torch.load
+    # refuses it. zipfile would shift every offset past such bytes, which would read the second
+    # of two archives back to back, or the next DCP chunk through a window that covers both.
     shift = end - cd_size - cd_offset
+    if shift > 0:
+        raise ZipError(
+            f"{shift} bytes come before the archive (its directory ends {shift} bytes later than "
+            "it says): the data holds more than one zip, or was edited"
+        )
     if shift < 0:
         raise ZipError("the central directory lies past the end of the archive")
-    cd_offset += shift
     directory = span.read(cd_offset, cd_size)
     if len(directory) != cd_size:
         raise ZipError("the central directory is truncated")
-    return _parse_central(directory, n_total, shift, cd_offset), cd_offset
+    return _parse_central(directory, n_total, cd_offset), cd_offset
 
 
 def _find_eocd(tail: bytes) -> int:
@@ -168,7 +174,7 @@ def _find_eocd(tail: bytes) -> int:
     return -1
 
 
-def _parse_central(data: bytes, count: int, shift: int, limit: int) -> list[ZipRecord]:
+def _parse_central(data: bytes, count: int, limit: int) -> list[ZipRecord]:
     records: list[ZipRecord] = []
     pos = 0
     unpack = _CENTRAL.unpack_from
@@ -194,7 +200,6 @@ def _parse_central(data: bytes, count: int, shift: int, limit: int) -> list[ZipR
             )
         if flags & _ENCRYPTED:
             raise ZipError(f"record {name} is encrypted")
-        offset += shift
         if not 0 <= offset <= limit - _LOCAL.size:
             raise ZipError(
                 f"record {name}: its header offset {offset} lies outside the archive; the zip "
@@ -303,7 +308,13 @@ def check_layout(
     central directory starts. ``ends[i] is None``: a record not read, only checked to start
     before the next one (names and padding unknown)."""
     limits = _limits(records, directory)
-    for i in sorted(range(len(records)), key=lambda i: records[i].header_offset):
+    order = sorted(range(len(records)), key=lambda i: records[i].header_offset)
+    if order and records[order[0]].header_offset != 0:
+        raise ZipError(
+            f"the first record starts at byte {records[order[0]].header_offset}, not 0: the data "
+            "holds something before the archive, or the zip directory is damaged"
+        )
+    for i in order:
         r = records[i]
         limit = limits[i]
         end = ends[i]

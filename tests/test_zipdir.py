@@ -67,10 +67,37 @@ def test_a_zip_written_by_zipfile_with_a_comment_and_prefix(tmp_path: Path) -> N
         zf.comment = b"a comment of some length"
     data = path.read_bytes()
     assert _records(path) == _oracle(data)
-    # Bytes prepended to a zip (a self-extractor's stub): every offset shifts, as zipfile allows.
-    shifted = tmp_path / "shifted.zip"
-    shifted.write_bytes(b"#!stub\n" * 3 + data)
-    assert _records(shifted) == _oracle(shifted.read_bytes())
+
+
+def _torch_zip(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_bytes_before_the_archive_are_refused(tmp_path: Path) -> None:
+    # zipfile reads past a prefix by shifting every offset; torch.load refuses it, and so must
+    # we: the prefix may be another archive (two written back to back: zipfile would read the
+    # second, torch the first), or a DCP window may cover the chunk before the one it names.
+    first = _torch_zip({"w": torch.zeros(10, dtype=torch.uint8)})
+    second = _torch_zip({"w": torch.ones(10, dtype=torch.uint8)})
+    assert b"PK\x06\x06" in second[-200:]  # torch writes zip64 end records: they are checked too
+    for name, data in {
+        "stub": b"#!stub\n" * 3 + second,
+        "zeros": b"\0" * 4096 + second,
+        "two-archives": first + second,
+    }.items():
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(data)
+        assert zipfile.ZipFile(path).read(zipfile.ZipFile(path).namelist()[-1])  # zipfile reads it
+        with pytest.raises(ZipError, match="before the archive"):
+            _records(path)
+    # A window over both archives of a larger file, as a damaged DCP entry would give.
+    outer = tmp_path / "outer.bin"
+    outer.write_bytes(b"x" * 100 + first + second)
+    assert _records(outer, 100, len(first)) == _oracle(first)
+    with pytest.raises(ZipError, match="before the archive"):
+        _records(outer, 100, len(first) + len(second))
 
 
 def test_damage_is_a_zip_error(tmp_path: Path) -> None:
@@ -95,16 +122,13 @@ def test_damage_is_a_zip_error(tmp_path: Path) -> None:
         _records(compressed)
 
 
-def test_a_zip64_torch_file_behind_a_prefix(tmp_path: Path) -> None:
-    # torch writes zip64 end records for large files; prepended bytes must not misplace them.
+def test_a_zip64_torch_file(tmp_path: Path) -> None:
+    # torch writes zip64 end records for large files.
     path = tmp_path / "big.pt"
     torch.save({"w": torch.zeros(40 << 20, dtype=torch.uint8)}, path)
     data = path.read_bytes()
     assert b"PK\x06\x06" in data[-200:], "expected zip64 end records"
     assert _records(path) == _oracle(data)
-    shifted = tmp_path / "shifted.pt"
-    shifted.write_bytes(b"\0" * 4096 + data)
-    assert _records(shifted) == _oracle(shifted.read_bytes())
 
 
 def _outcome(path: Path, start: int, length: int, fd: int, shapes: object | None) -> object:

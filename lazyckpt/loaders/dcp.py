@@ -293,7 +293,7 @@ def _locate(
         )
     except CorruptModelCheckpointError as exc:
         raise CorruptModelCheckpointError(
-            file, f"key {fqn!r}: the chunk at byte {offset}: {exc}", key=fqn
+            file, f"key {fqn!r}: the chunk at byte {offset}: {exc.detail}", key=fqn
         ) from None
     if archive.forbidden:
         raise CorruptModelCheckpointError(

@@ -175,8 +175,7 @@ def _all_of(path: Path, bad: list[CorruptModelCheckpointError]) -> CorruptModelC
     so that none hides the others; it carries the first key."""
     if len(bad) == 1:
         return bad[0]
-    prefix = f"{path}: "
-    listed = "; ".join(str(e).removeprefix(prefix) for e in bad[:_LISTED])
+    listed = "; ".join(e.detail for e in bad[:_LISTED])
     more = f"; and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
     return CorruptModelCheckpointError(
         path, f"{len(bad)} keys have bad header entries: {listed}{more}", key=bad[0].key
