@@ -85,9 +85,10 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         files: list[Path] = []
         tp_size = sdp_size = 0
         for stage in stages:
-            grid_files = [_numbered(tp, _SDP, False) for tp in _numbered(stage, _TP, True)]
-            tp_size = len(grid_files)
-            sdp_size = max(len(row) for row in grid_files)
+            tp_dirs = _numbered(stage, _TP, True)
+            grid_files = [_numbered(tp, _SDP, False) for tp in tp_dirs]
+            _check_grid(path, stage, tp_dirs, grid_files, stages[0], tp_size, sdp_size)
+            tp_size, sdp_size = len(grid_files), len(grid_files[0])
             stage_files = [f for row in grid_files for f in row]
             read = iter(read_torch_set(stage_files, restrict=options.restrict))
             grid = [[next(read) for _ in row] for row in grid_files]
@@ -140,6 +141,36 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             entries=entries,
             files=files,
             source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
+        )
+
+
+def _check_grid(
+    root: Path,
+    stage: Path,
+    tp_dirs: list[Path],
+    grid_files: list[list[Path]],
+    first_stage: Path,
+    tp_size: int,
+    sdp_size: int,
+) -> None:
+    """Every TP rank of a stage holds as many SDP shards, and every stage has the first one's
+    TP x SDP sizes: a set with a shard missing at the end of a rank would otherwise assemble
+    with rows missing, since nothing else records the sizes."""
+    counts = [len(row) for row in grid_files]
+    most = max(counts)
+    short = next((i for i, n in enumerate(counts) if n < most), None)
+    if short is not None:
+        raise CorruptModelCheckpointError(
+            tp_dirs[short],
+            f"holds {counts[short]} sdp_XX.pt file(s) but {tp_dirs[counts.index(most)].name} "
+            f"holds {most}: sdp_{counts[short]:02d}.pt is missing; the set is incomplete",
+        )
+    if tp_size and (len(grid_files), most) != (tp_size, sdp_size):
+        raise CorruptModelCheckpointError(
+            stage,
+            f"is TP-{len(grid_files)} x SDP-{most} but {first_stage.relative_to(root)} is "
+            f"TP-{tp_size} x SDP-{sdp_size}; every pipeline stage has the same sizes, so the set "
+            "is incomplete",
         )
 
 
