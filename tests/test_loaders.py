@@ -246,13 +246,27 @@ def _random_bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch
     return raw.view(dtype).reshape(shape)
 
 
-@pytest.mark.parametrize("source", ["torch", "dcp", "fairscale"])
-def test_every_dtype_torch_writes_loads_bit_exact(tmp_path: Path, source: str) -> None:
+def _safetensors_writes(dtype: torch.dtype, tmp_path: Path) -> bool:
+    try:
+        save_file({"t": torch.zeros(1, dtype=dtype)}, tmp_path / "probe.safetensors")
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("source", ["torch", "dcp", "fairscale", "safetensors"])
+def test_every_dtype_the_writers_write_loads_bit_exact(tmp_path: Path, source: str) -> None:
     # uint16/32/64 and complex32 have no typed storage class: torch pickles them with
     # _rebuild_tensor_v3 over an UntypedStorage whose numel counts bytes.
     sd = {f"t_{str(d).split('.')[1]}": _random_bits(d, (4, 6), i) for i, d in enumerate(_EVERY_DTYPE)}
+    if source == "safetensors":
+        sd = {k: v for k, v in sd.items() if _safetensors_writes(v.dtype, tmp_path)}
+        assert {torch.float8_e4m3fnuz, torch.uint16} <= {v.dtype for v in sd.values()}
     dims = {k: 1 for k in sd}
-    if source == "torch":
+    if source == "safetensors":
+        path = tmp_path / "all.safetensors"
+        save_file(sd, path)
+    elif source == "torch":
         path = tmp_path / "all.pt"
         torch.save(sd, path)
     elif source == "dcp":
@@ -284,7 +298,7 @@ def test_every_dtype_torch_writes_loads_bit_exact(tmp_path: Path, source: str) -
                 keys.append(key)
                 assert t.data_ptr() % t.element_size() == 0, (key, layout, mmap)
                 assert same_bits(t, expected(sd[key], 1, layout)), (key, layout, mmap)
-            assert keys == list(sd)
+            assert keys == (list(load_file(path)) if source == "safetensors" else list(sd))
 
 
 def test_pread_bounce_buffer_serves_any_dtype_after_an_odd_sized_slab(tmp_path: Path) -> None:

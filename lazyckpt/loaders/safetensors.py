@@ -52,6 +52,8 @@ _DTYPES: dict[str, torch.dtype] = {
 for _name, _attr in (
     ("F8_E4M3", "float8_e4m3fn"),
     ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
     ("F8_E8M0", "float8_e8m0fnu"),
     ("U16", "uint16"),
     ("U32", "uint32"),
