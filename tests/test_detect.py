@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,25 @@ def test_supports_path(tmp_path: Path) -> None:
 
 def test_layout_helpers_on_a_real_mesh() -> None:
     spawn(check_layout_helpers, 4)
+
+
+@dataclasses.dataclass
+class TrainingArguments:
+    lr: float = 1e-4
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_a_hugging_face_trainer_checkpoint_folder(tmp_path: Path, weights: str) -> None:
+    # checkpoint-N/ of transformers' Trainer: the weights beside its training state.
+    w = torch.arange(6.0).reshape(2, 3)
+    if weights.endswith(".safetensors"):
+        save_file({"w": w}, tmp_path / weights)
+    else:
+        torch.save({"w": w}, tmp_path / weights)
+    torch.save(TrainingArguments(), tmp_path / "training_args.bin")
+    torch.save({"state": {0: {"exp_avg": torch.zeros(2, 3)}}, "param_groups": []}, tmp_path / "optimizer.pt")
+    torch.save({"last_epoch": 3}, tmp_path / "scheduler.pt")
+    torch.save({"python": 1}, tmp_path / "rng_state.pth")
+    (tmp_path / "trainer_state.json").write_text("{}")
+    got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}))
+    assert list(got) == ["w"] and torch.equal(got["w"], w)

@@ -26,6 +26,7 @@ from lazyckpt.loaders.safetensors import SUFFIX as _ST
 from lazyckpt.loaders.safetensors import SafetensorsCheckpointLoader
 from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as _PT_INDEX
 from lazyckpt.loaders.torch_files import SUFFIXES as _PT
+from lazyckpt.loaders.torch_files import TRAINER_STATE as _TRAINER_STATE
 from lazyckpt.loaders.torch_files import TorchCheckpointLoader
 from lazyckpt.options import ModelCheckpointLoadOptions
 
@@ -77,7 +78,12 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
     st_index = any(n.endswith(_ST_INDEX) for n in names)
     pt_index = any(n.endswith(_PT_INDEX) for n in names)
     loose_st = [n for n in names if n.endswith(_ST)]
-    loose_pt = [n for n in names if n.endswith(_PT) and not _CONSOLIDATED.fullmatch(n)]
+    # A Hugging Face Trainer's state files (optimizer.pt, training_args.bin, ...) are not weights.
+    loose_pt = [
+        n
+        for n in names
+        if n.endswith(_PT) and not _CONSOLIDATED.fullmatch(n) and not _TRAINER_STATE.fullmatch(n)
+    ]
     if len(sets) > 1:
         raise UnknownCheckpointFormatError(
             p, f"holds both a {sets[0].name} and a {sets[1].name} checkpoint; keep one per folder"

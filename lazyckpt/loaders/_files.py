@@ -4,6 +4,7 @@ files, or a Hugging Face ``*.index.json`` naming the file of every key."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,11 +90,26 @@ def read_hf_index(index_path: Path, data_suffixes: tuple[str, ...]) -> FileSet:
     return FileSet(index_path, files, wanted, notes, meta)
 
 
-def folder_file_set(folder: Path, suffixes: tuple[str, ...]) -> FileSet:
+def folder_file_set(
+    folder: Path, suffixes: tuple[str, ...], skip: re.Pattern[str] | None = None
+) -> FileSet:
+    """Every file of ``folder`` ending in one of ``suffixes``, but those whose name ``skip``
+    matches (ignored, and noted)."""
     files = list_files(folder, suffixes)
+    skipped = [f for f in files if skip is not None and skip.fullmatch(f.name)]
+    files = [f for f in files if f not in skipped]
     if not files:
-        raise CorruptModelCheckpointError(folder, f"holds no {'/'.join(suffixes)} file")
-    return FileSet(folder, files)
+        raise CorruptModelCheckpointError(
+            folder,
+            f"holds no {'/'.join(suffixes)} file"
+            + (
+                f" but {', '.join(f.name for f in skipped)}, which are not weights"
+                if skipped
+                else ""
+            ),
+        )
+    notes = [f"ignored {f.name}: training state, not weights" for f in skipped]
+    return FileSet(folder, files, notes=notes or None)
 
 
 def build_file_set_index(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import final
 
@@ -23,6 +24,11 @@ __all__ = ["TorchCheckpointLoader", "read_torch_file"]
 
 SUFFIXES = (".pt", ".pth", ".bin")
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+TRAINER_STATE = re.compile(
+    r"training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+)
+"""What a Hugging Face Trainer saves beside the weights in a ``checkpoint-N`` folder: not
+weights, so a folder is never read as a torch checkpoint because of them."""
 
 
 def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
@@ -79,4 +85,4 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
             index = find_index_file(path, suffix, "pytorch_model" + suffix)
             if index is not None:
                 return read_hf_index(index, SUFFIXES)
-        return folder_file_set(path, SUFFIXES)
+        return folder_file_set(path, SUFFIXES, skip=TRAINER_STATE)
