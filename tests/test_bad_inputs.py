@@ -1314,17 +1314,22 @@ def test_dcp_metadata_disagrees_with_the_data(dcp_folder: Path, edit: Callable[[
         fails(dcp_folder, CORRUPT, (MATRIX,), mmap=mmap)
 
 
-def test_dcp_window_over_two_chunks_of_one_shape_is_refused(tmp_path: Path) -> None:
-    # A storage entry whose length runs over the next chunk: the window then ends with that
-    # chunk's zip, whose directory would be found at its end. Nothing may come before a zip.
+@pytest.mark.parametrize("edit", ["runs-over-the-next", "the-same-window"])
+def test_dcp_windows_that_overlap_are_refused(tmp_path: Path, edit: str) -> None:
+    # Chunks of one shape and dtype differ only in their data: an entry whose window runs over
+    # the next chunk (whose zip directory would be found at its end), or that names the next
+    # chunk's window, would read that chunk for this key.
     folder = write_dcp(tmp_path / "dcp", {"a": torch.zeros(4, 4), "b": torch.ones(4, 4)})
     meta = read_meta(folder)
     a, b = _storage_item(meta, "a")[1], _storage_item(meta, "b")[1]
     assert (a.relative_path, a.offset + a.length) == (b.relative_path, b.offset)
-    a.length += b.length
+    if edit == "runs-over-the-next":
+        a.length += b.length
+    else:
+        a.offset = b.offset
     write_meta(folder, meta)
     for mmap in (True, False):
-        fails(folder, CORRUPT, ("'a'", a.relative_path, "before the archive"), mmap=mmap)
+        fails(folder, CORRUPT, ("'a'", "'b'", a.relative_path, "overlap"), mmap=mmap)
 
 
 def test_errors_carry_the_key_at_fault(tmp_path: Path) -> None:

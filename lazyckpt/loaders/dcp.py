@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import os
 import pathlib
 import pickle
@@ -110,6 +111,29 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
     return meta
 
 
+def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
+    """Every storage entry has its own bytes: two entries of one file whose windows overlap
+    would read one chunk as another (of the same shape and dtype, nothing else would tell)."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for k, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
+        if isinstance(rel, str) and span is not None and span[1] > 0:
+            by_file.setdefault(rel, []).append(
+                (span[0], span[0] + span[1], str(getattr(k, "fqn", k)))
+            )
+    for rel, windows in by_file.items():
+        windows.sort()
+        for (a0, a1, a), (b0, b1, b) in itertools.pairwise(windows):
+            if b0 < a1:
+                raise CorruptModelCheckpointError(
+                    meta_path,
+                    f"the storage entries of {a!r} (bytes [{a0}, {a1})) and {b!r} (bytes "
+                    f"[{b0}, {b1})) overlap in {rel}; the metadata is damaged",
+                    key=b,
+                )
+
+
 def _ints(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, (tuple, list)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -152,6 +176,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             fqn, offset = getattr(k, "fqn", None), _ints(getattr(k, "offset", None))
             if isinstance(fqn, str) and offset is not None:
                 where[(fqn, offset)] = info
+        _check_disjoint(meta_path, storage)
         files: dict[str, tuple[Path, int]] = {}
         entries: dict[str, TensorEntry] = {}
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
