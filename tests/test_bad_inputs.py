@@ -498,8 +498,16 @@ def test_index_names_a_missing_file(tmp_path: Path, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize(
     "text",
-    [b"", b"{not json", b"\xff\xfe", b"[]", b'{"metadata": {}}', b'{"weight_map": []}'],
-    ids=["empty", "not-json", "not-utf8", "array", "no-weight-map", "weight-map-list"],
+    [
+        b"",
+        b"{not json",
+        b"\xff\xfe",
+        b"[]",
+        b'{"metadata": {}}',
+        b'{"weight_map": []}',
+        b'{"weight_map": {}}',
+    ],
+    ids=["empty", "not-json", "not-utf8", "array", "no-weight-map", "weight-map-list", "no-keys"],
 )
 def test_index_file_not_an_index(tmp_path: Path, fmt: str, text: bytes) -> None:
     _, index = _sharded(tmp_path / "ckpt", fmt)

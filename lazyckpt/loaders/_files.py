@@ -72,6 +72,10 @@ def read_hf_index(index_path: Path, data_suffixes: tuple[str, ...]) -> FileSet:
         raise CorruptModelCheckpointError(
             index_path, 'has no "weight_map" object mapping each key to its file'
         )
+    if not doc["weight_map"]:
+        raise CorruptModelCheckpointError(
+            index_path, 'has an empty "weight_map": it lists no tensor; download it again'
+        )
     wanted: dict[Path, list[str]] = {}
     by_name: dict[str, Path] = {}
     for key, name in doc["weight_map"].items():
