@@ -392,21 +392,21 @@ class TorchArchive:
 
     def _view_end(self, tensor: StoredTensor, key: str) -> int:
         """One past the last storage element of ``tensor``'s view, after checking its sizes
-        and strides (for an empty view: its storage offset)."""
+        and strides (0 for an empty view: it needs no storage, and a chunk of an empty tensor
+        saved without ``clone()`` has an offset past its storage of 0 elements)."""
         sizes, strides = tensor.sizes, tensor.strides
         if len(sizes) != len(strides):
             raise self._bad(key, f"size {sizes} and stride {strides} differ in rank")
         if tensor.storage_offset < 0:
             raise self._bad(key, f"negative storage offset {tensor.storage_offset}")
         last = 0  # the view's last element, relative to its first
+        empty = False
         for n, st in zip(sizes, strides):
             if n < 0 or st < 0:
                 raise self._bad(key, f"negative size or stride {sizes}/{strides}")
-            if n == 0:
-                last = -1
-                break
+            empty = empty or n == 0
             last += (n - 1) * st
-        return tensor.storage_offset + last + 1
+        return 0 if empty else tensor.storage_offset + last + 1
 
     def _bad(self, key: str, message: str) -> CorruptModelCheckpointError:
         return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)

@@ -315,3 +315,17 @@ def test_pread_bounce_buffer_serves_any_dtype_after_an_odd_sized_slab(tmp_path: 
     got = load_all(tmp_path / "m.pt", dims, layout=layout, mmap=False, prefetch_bytes=0)
     for key, t in full.items():
         assert same_bits(got[key], expected(t, dims[key], layout)), key
+
+
+def test_an_empty_view_past_its_empty_storage_loads(tmp_path: Path) -> None:
+    # A chunk of an empty tensor saved without clone(): offset 4 into a storage of 0 elements.
+    # torch.load reads it; it needs no bytes.
+    empty = torch.empty(0, 8).chunk(2, 1)[1]
+    assert empty.storage_offset() == 4 and empty.untyped_storage().nbytes() == 0
+    sd = {"x": empty, "w": torch.arange(3.0)}
+    torch.save(sd, tmp_path / "m.pt")
+    want = torch.load(tmp_path / "m.pt", weights_only=True)
+    for mmap in (True, False):
+        got = load_all(tmp_path / "m.pt", {}, mmap=mmap)
+        assert list(got) == ["x", "w"]
+        assert got["x"].shape == want["x"].shape and same_bits(got["w"], want["w"])
