@@ -9,6 +9,7 @@ full tensor is built, no collective runs, each rank reads only its own bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     """Checkpoint keys (after ``key_map``) the model lacks; never read."""
     tied: list[str] = field(default_factory=list)
-    """Model keys the checkpoint lacks but that share storage with a loaded key."""
+    """Model keys filled through a loaded key they share storage with: keys the checkpoint
+    lacks, and keys it holds before another key of the same tensor (the last one is loaded, as
+    ``load_state_dict`` leaves it; the earlier ones are not read)."""
     shard_dims: dict[str, int] = field(default_factory=dict)
     """The source shard dims used (given, or inferred from shapes)."""
     stats: LoadStats = field(default_factory=LoadStats)
@@ -106,20 +109,21 @@ def _local(t: Any) -> torch.Tensor:
 def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     """The box of the global tensor that this process holds for ``target``.
 
-    For ``Shard``/``Replicate``/``Partial`` placements it is worked out by :func:`mesh_box`;
-    others (``_StridedShard``, a rank outside the mesh) ask torch's
+    For ``Shard``/``Replicate`` placements, and FSDP2's ``_StridedShard`` over TP on the same
+    dim, it is worked out by :func:`mesh_box`. A rank outside the mesh asks torch's
     ``compute_local_shape_and_global_offset``, cached by (shape, mesh, placements) as layers
-    repeat them and it is slow enough to show in a load."""
+    repeat them and it is slow enough to show in a load. ``Partial`` holds partial sums, which
+    no box of the checkpoint gives: refused."""
     shape = target.global_shape
     if not target.is_dtensor:
         return Box((0,) * len(shape), shape)
     t: Any = target.tensor
     mesh = t.device_mesh
     placements = tuple(t.placements)
-    dims = _shard_dims(placements)
-    coordinate = mesh.get_coordinate() if dims is not None else None
-    if dims is not None and coordinate is not None:
-        box = mesh_box(shape, mesh.shape, coordinate, dims)
+    plan = _mesh_plan(name, placements, tuple(mesh.shape))
+    coordinate = mesh.get_coordinate()
+    if plan is not None and coordinate is not None:
+        box = mesh_box(shape, mesh.shape, coordinate, *plan)
     else:
         cache_key = (shape, mesh, placements)
         found = cache.get(cache_key)
@@ -138,20 +142,46 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     return box
 
 
-def _shard_dims(placements: Sequence[Any]) -> list[int | None] | None:
-    """The tensor dim each mesh dim shards (``None`` where it replicates or holds partial sums),
-    or None when a placement is anything else (``_StridedShard``: its shards interleave)."""
+def _mesh_plan(
+    name: str, placements: Sequence[Any], mesh_sizes: tuple[int, ...]
+) -> tuple[list[int | None], list[int]] | None:
+    """For :func:`mesh_box`: the tensor dim each mesh dim shards (``None`` where it
+    replicates) and the order the mesh dims cut in; None for placements it does not model.
+
+    FSDP2 over TP on the same dim puts ``_StridedShard(d, split_factor=tp)`` on the DP mesh
+    dim before TP's ``Shard(d)``: FSDP2 chunks TP's local shard, so TP cuts first. torch's
+    ``compute_local_shape_and_global_offset`` applies the mesh dims in order and places the
+    rows elsewhere when sizes do not divide (27 rows over dp 3 x tp 4)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     dims: list[int | None] = []
-    for p in placements:
+    strided: list[tuple[int, int]] = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"{name}: its DTensor is Partial ({p}) on mesh dim {i}: its local shards add up "
+                "to the value, which no piece of the checkpoint gives; redistribute it to "
+                "Replicate() before load_into"
+            )
         if type(p) is Shard:
             dims.append(p.dim)
-        elif isinstance(p, (Replicate, Partial)):
+        elif isinstance(p, Replicate):
             dims.append(None)
+        elif isinstance(getattr(p, "split_factor", None), int) and isinstance(p.dim, int):
+            dims.append(p.dim)  # _StridedShard (a Shard subclass in some torch versions)
+            strided.append((i, p.split_factor))
         else:
             return None
-    return dims
+    order = list(range(len(dims)))
+    for i, factor in strided:
+        later = [j for j in range(i + 1, len(dims)) if dims[j] == dims[i]]
+        if not later or any(j == k for j in later for k, _ in strided):
+            return None
+        if math.prod(mesh_sizes[j] for j in later) != factor:
+            return None
+        order.remove(i)
+        order.insert(order.index(later[-1]) + 1, i)
+    return dims, order
 
 
 def infer_shard_dim(
@@ -247,6 +277,8 @@ def load_into(
             report,
         )
     _account_keys(report, targets, index.entries)
+    shadowed = _shadowed(targets, index.entries)
+    report.tied += shadowed
     if strict and (report.missing or report.unexpected):
         raise KeyMismatchError(
             f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
@@ -265,7 +297,9 @@ def load_into(
         verify_max_bytes=options.verify_replicas_max_bytes,
         boxes=boxes,
     )
-    destinations = {key: _destination(key, targets[key], device) for key in index.entries}
+    if shadowed:  # two reads into one tensor would race (the threads take reads from both ends)
+        plans = [p for p in plans if p.key not in shadowed]
+    destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
     pool = None
     if any(d.device.type == "cuda" for d in destinations.values()):
         pool = PinnedPool()
@@ -282,8 +316,15 @@ def load_into(
         if pool is not None:
             pool.synchronize()
     _install_materialized(targets, destinations)
-    report.loaded = list(index.entries)
+    report.loaded = [key for key in index.entries if key not in shadowed]
     return report
+
+
+def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list[str]:
+    """Checkpoint keys whose target tensor a later key of the checkpoint fills too (tied
+    weights saved under both names)."""
+    last = {id(targets[key].tensor): key for key in loaded}
+    return [key for key in loaded if last[id(targets[key].tensor)] != key]
 
 
 def _account_keys(

@@ -341,6 +341,23 @@ def check_load_into(rank: int, world: int, kind: str, src: str, meta: bool) -> N
         assert torch.equal(full, truth[name]), ("lazy_load mesh", kind, name)
 
 
+def check_load_into_matches_torch_sharding(rank: int, world: int, kind: str, src: str) -> None:
+    """What ``load_into`` writes into each local shard is what torch's own parallelize_module
+    and fully_shard put there when they shard a model that already holds the truth."""
+    import lazyckpt
+
+    truth = odd_model_truth()
+    reference, _ = build_odd(kind, world, init=truth)
+    model, _ = build_odd(kind, world)
+    lazyckpt.load_into(model, src)
+    want, got = reference.state_dict(), model.state_dict()
+    for name in truth:
+        w, g = want[name], got[name]
+        w = w.to_local() if hasattr(w, "to_local") else w
+        g = g.to_local() if hasattr(g, "to_local") else g
+        assert w.shape == g.shape and torch.equal(w, g), (rank, name, w, g)
+
+
 def check_layout_helpers(rank: int, world: int) -> None:
     """``Layout.from_mesh`` and ``Layout.from_groups`` on a real (dp=2, tp=2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_workers import OddModel, check_load_into, odd_model_truth, save_odd_dcp, spawn
+from dist_workers import (
+    OddModel,
+    check_load_into,
+    check_load_into_matches_torch_sharding,
+    odd_model_truth,
+    save_odd_dcp,
+    spawn,
+)
 from helpers import same_bits
 from safetensors.torch import save_file
 from torch import nn
@@ -47,6 +54,15 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_dtensor_models_match_the_truth(sources: dict[str, Path], kind: str, world: int,
                                         source: str, meta: bool) -> None:
     spawn(check_load_into, world, kind, str(sources[source]), meta)
+
+
+@pytest.mark.parametrize(("kind", "world"), [("2d", 6), ("2d", 4), ("fsdp2", 3), ("tp", 3)])
+def test_local_shards_are_what_torch_shards_the_truth_into(
+    sources: dict[str, Path], kind: str, world: int
+) -> None:
+    # dp 3 x tp 2: FSDP2 over TP on dim 0 is _StridedShard(0, split_factor=2); with 53 and 7
+    # rows torch's compute_local_shape_and_global_offset places rows elsewhere than FSDP2 does.
+    spawn(check_load_into_matches_torch_sharding, world, kind, str(sources["safetensors"]))
 
 
 def test_plain_model_is_filled_in_place(sources: dict[str, Path]) -> None:
@@ -105,6 +121,38 @@ def test_shape_mismatch_always_raises(tmp_path: Path) -> None:
     torch.save(truth, tmp_path / "bad.pt")
     with pytest.raises(lazyckpt.KeyMismatchError, match=r"up.weight: checkpoint \(8, 6\), model \(7, 6\)"):
         lazyckpt.load_into(OddModel(), tmp_path / "bad.pt", strict=False)
+
+
+class _Tied(nn.Module):
+    def __init__(self, n: int = 4096) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(n, 64)
+        self.head = nn.Linear(64, n, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_checkpoint_holding_both_names_of_a_tied_weight(tmp_path: Path, meta: bool) -> None:
+    # Both keys fill one tensor: the last one wins, as load_state_dict leaves it, and the first
+    # is not read at all (two reads into one tensor would race between the two threads).
+    first, last = torch.full((4096, 64), 1.0), torch.full((4096, 64), 2.0)
+    save_file({"embed.weight": first, "head.weight": last}, tmp_path / "both.safetensors")
+    want = _Tied()
+    want.load_state_dict({"embed.weight": first, "head.weight": last})
+    for _ in range(3):
+        if meta:
+            with torch.device("meta"):
+                model = _Tied()
+        else:
+            model = _Tied()
+        stats = lazyckpt.LoadStats()
+        report = lazyckpt.load_into(
+            model, tmp_path / "both.safetensors", options=lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+        )
+        assert report.loaded == ["head.weight"] and report.tied == ["embed.weight"], report
+        assert model.head.weight is model.embed.weight
+        assert torch.equal(model.embed.weight, want.embed.weight)
+        assert stats.total_bytes_read == last.nbytes
 
 
 def test_tied_weights_and_key_map(tmp_path: Path) -> None:

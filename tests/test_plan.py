@@ -104,6 +104,45 @@ def test_mesh_box_is_dtensor_shard(
     assert (box.sizes, box.offsets) == (tuple(sizes), tuple(offsets))
 
 
+@given(
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 3),
+    dp=st.integers(1, 4),
+    tp=st.integers(1, 4),
+    tp_first=st.booleans(),
+)
+@example(rows=27, cols=1, dp=3, tp=4, tp_first=False)  # torch's own function is off here
+def test_fsdp2_over_tp_box_is_the_chunk_of_the_tp_chunk(
+    rows: int, cols: int, dp: int, tp: int, tp_first: bool
+) -> None:
+    """FSDP2 over TP on dim 0 (``_StridedShard(0, split_factor=tp)`` on the DP mesh dim, then
+    TP's ``Shard(0)``): each rank holds ``chunk(chunk(full, tp)[t], dp)[d]``, FSDP2's own layout."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lazyckpt.model_load import _mesh_plan
+
+    full = torch.arange(rows * cols).reshape(rows, cols)
+    if tp_first:  # mesh (tp, dp): plain Shard on both, applied in mesh order
+        placements, sizes = [Shard(0), Shard(0)], (tp, dp)
+    else:
+        placements, sizes = [_StridedShard(0, split_factor=tp), Shard(0)], (dp, tp)
+    plan = _mesh_plan("w", placements, sizes)
+    assert plan is not None
+    for d in range(dp):
+        for t in range(tp):
+            coordinate = (t, d) if tp_first else (d, t)
+            box = mesh_box(full.shape, sizes, coordinate, *plan)
+            tp_part = chunk_of(full, tp, 0, t)
+            assert torch.equal(full[box.slices()], chunk_of(tp_part, dp, 0, d)), (d, t, box)
+    # What the plan does not model is left to torch; Partial is refused.
+    assert _mesh_plan("w", [_StridedShard(0, split_factor=tp + 1), Shard(0)], (dp, tp)) is None
+    from torch.distributed.tensor import Partial
+
+    with pytest.raises(ValueError, match="Partial"):
+        _mesh_plan("w", [Partial(), Replicate()], (dp, tp))
+
+
 @st.composite
 def grids(draw: st.DrawFn) -> tuple[torch.Tensor, int | None, list[list[torch.Tensor]]]:
     """A full tensor cut into an uneven [tp][dp] grid the way model-parallel sources store it."""
