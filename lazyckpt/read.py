@@ -170,24 +170,29 @@ class Reader:
                     flat = f.flats[dtype] = torch.frombuffer(f.mapping(), dtype=dtype, count=count)
         return flat
 
-    def _unaligned(
+    def _copy_unaligned(
         self,
         f: _OpenFile,
         first: int,
         dtype: torch.dtype,
         sizes: tuple[int, ...],
         strides: tuple[int, ...],
-    ) -> torch.Tensor:
-        """A copy of a piece whose elements do not lie at multiples of their size (a DCP chunk's
-        zip starts anywhere in its file), made byte by byte: torch's kernels may assume
-        aligned elements (a complex128 copy from such an address crashes)."""
+        dst: torch.Tensor,
+    ) -> None:
+        """Copy a piece whose elements do not lie at multiples of their size (a DCP chunk's zip
+        starts anywhere in its file) byte by byte: torch's kernels may assume aligned elements
+        (a complex128 copy from such an address crashes). Straight into ``dst`` where it holds
+        the source dtype with unit stride on its last dim, else through an aligned copy."""
         itemsize = dtype.itemsize
         src = self._flat(f, torch.uint8).as_strided(
             (*sizes, itemsize), (*(s * itemsize for s in strides), 1), first
         )
+        if dst.dtype == dtype and dst.dim() and dst.stride(-1) == 1:
+            dst.view(torch.uint8).unflatten(-1, (sizes[-1], itemsize)).copy_(src)
+            return
         out = torch.empty(sizes, dtype=dtype)
         out.reshape(-1).view(torch.uint8).view(*sizes, itemsize).copy_(src)
-        return out
+        dst.copy_(out)
 
     def _region(self, chunk: Chunk) -> FileRegion:
         data = chunk.data
@@ -308,7 +313,7 @@ class Reader:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             itemsize = dtype.itemsize
             if first % itemsize:
-                dst_view.copy_(self._unaligned(f, first, dtype, piece.sizes, region.strides))
+                self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
             else:
                 flat = self._flat(f, dtype)
                 dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
