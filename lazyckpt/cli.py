@@ -822,8 +822,9 @@ def _add_no_restrict(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-restrict",
         action="store_true",
-        help="unpickle torch files with any global, not only tensors, containers and dtypes "
-        "(restrict=False: this runs code from the file; only for files you trust)",
+        help="unpickle torch files and DCP .metadata with any global, not only tensors, "
+        "containers and dtypes (restrict=False: this runs code from the file; only for files "
+        "you trust)",
     )
 
 

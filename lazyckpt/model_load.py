@@ -45,8 +45,9 @@ class LoadReport:
     """Checkpoint keys (after ``key_map``) the model lacks; never read."""
     tied: list[str] = field(default_factory=list)
     """Model keys filled through a loaded key they share storage with: keys the checkpoint
-    lacks, and keys it holds before another key of the same tensor (the last one is loaded, as
-    ``load_state_dict`` leaves it; the earlier ones are not read)."""
+    lacks, and keys it holds beside another key of the same tensor that comes later in the
+    model's state dict (that one is loaded, as ``load_state_dict`` leaves it; the others are
+    not read)."""
     shard_dims: dict[str, int] = field(default_factory=dict)
     """The source shard dims used (given, or inferred from shapes)."""
     stats: LoadStats = field(default_factory=LoadStats)
@@ -229,8 +230,10 @@ def load_into(
     checkpoint tensor is cast to its target's dtype), and nothing is read ahead of its place.
     """
     options = options or ModelCheckpointLoadOptions()
-    device = options.usable_device()
     targets = _targets(model)
+    # The device only serves meta tensors, which are made there: refused only if it would be.
+    meta = any(t.tensor.is_meta and not t.is_dtensor for t in targets.values())
+    device = options.usable_device() if meta else options.target_device
     loader = detect_loader(path)
     report = LoadReport(stats=options.stats if options.stats is not None else LoadStats())
 
@@ -321,9 +324,10 @@ def load_into(
 
 
 def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list[str]:
-    """Checkpoint keys whose target tensor a later key of the checkpoint fills too (tied
-    weights saved under both names)."""
-    last = {id(targets[key].tensor): key for key in loaded}
+    """Checkpoint keys whose target tensor another key of the checkpoint, later in the model's
+    state-dict order, fills too (tied weights saved under both names): ``load_state_dict``
+    copies in that order, so the last one is what it leaves."""
+    last = {id(t.tensor): key for key, t in targets.items() if key in loaded}
     return [key for key in loaded if last[id(targets[key].tensor)] != key]
 
 

@@ -53,8 +53,9 @@ finish within one call of each other (:class:`ReadQueue`)."""
 _IOV_MAX = 1024
 """Iovecs per ``preadv`` (Linux's ``IOV_MAX``)."""
 _SLAB_BYTES = 8 << 20
-_ALIGN = 64
 """Largest bounce buffer for slab reads."""
+_ALIGN = 64
+"""Bounce buffers are a multiple of this many bytes: a whole number of any dtype's elements."""
 _RAW_BYTES = 1 << 20
 """Largest piece :meth:`Reader.raw` hands out as bytes (a copy; replica norms are a few KiB)."""
 
@@ -72,7 +73,7 @@ class _OpenFile:
             raise
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self.flats: dict[torch.dtype, torch.Tensor] = {}
-        """Flat tensors over the mapping, by dtype and start byte (see ``Reader._flat``)."""
+        """Flat tensors over the whole mapping, by dtype (see ``Reader._flat``)."""
 
     def mapping(self) -> ctypes.Array[ctypes.c_char]:
         """The whole file mapped copy-on-write (``MAP_PRIVATE``: views are writable, writes

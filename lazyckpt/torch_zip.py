@@ -93,6 +93,16 @@ class Unsupported:
     def __setstate__(self, state: Any) -> None:
         pass
 
+    # ... and the items pickle adds to an object of a dict or list subclass (SETITEMS, APPENDS).
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
     def __repr__(self) -> str:
         return f"Unsupported({self.what!r})"
 

@@ -11,6 +11,7 @@ child process, so a SIGBUS fails the test instead of killing the run.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -779,10 +780,25 @@ class TrainConfig:
     lr: float = 0.1
 
 
+class ConfigDict(dict):  # type: ignore[type-arg]
+    pass
+
+
+class ConfigList(list):  # type: ignore[type-arg]
+    pass
+
+
 @pytest.mark.parametrize(
     "extra",
-    [argparse.Namespace(lr=0.1), TrainConfig()],
-    ids=["argparse.Namespace", "dataclass"],
+    [
+        argparse.Namespace(lr=0.1),
+        TrainConfig(),
+        ConfigDict(lr=0.1),
+        ConfigList([0.1]),
+        collections.defaultdict(int, {"lr": 1}),
+        collections.deque([1, 2]),
+    ],
+    ids=["argparse.Namespace", "dataclass", "dict-subclass", "list-subclass", "defaultdict", "deque"],
 )
 def test_training_checkpoint_with_objects_beside_the_weights(tmp_path: Path, extra: Any) -> None:
     # Training checkpoints keep their config beside the weights. Pickle builds such objects

@@ -315,14 +315,14 @@ def test_verify_names_every_key_a_truncation_cut_off(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     # Every key past the cut is named, not only the first.
-    sd = {f"cut_key_{i}": torch.full((64,), float(i)) for i in range(5)}
+    sd = {f"cut_key_{i:02d}": torch.full((64,), float(i)) for i in range(12)}
     victim = tmp_path / "cut.safetensors"
     save_file(sd, victim)
     data = victim.read_bytes()
-    victim.write_bytes(data[: len(data) - 3 * 256 - 10])  # 4 keys lose bytes
+    victim.write_bytes(data[: len(data) - 9 * 256 - 10])  # 10 keys lose bytes
     doc = json.loads(_verify_json(capsys, victim))
     text = " ".join(doc["problems"])
-    assert [k for k in sd if repr(k) in text] == [f"cut_key_{i}" for i in range(1, 5)], text
+    assert [k for k in sd if repr(k) in text] == [f"cut_key_{i:02d}" for i in range(2, 12)], text
     assert str(victim) in text
 
 

@@ -196,7 +196,9 @@ def test_fairseq2_native_into_every_layout(tmp_path: Path) -> None:
     assert index.format == "fairseq2" and index.source_layout == "PP-2 x TP-2 x SDP-3"
 
 
-@pytest.mark.parametrize("gone", ["last-sdp-of-a-tp-rank", "last-tp-rank-of-a-stage"])
+@pytest.mark.parametrize(
+    "gone", ["last-sdp-of-a-tp-rank", "last-tp-rank-of-a-stage", "last-tp-rank-of-the-first-stage"]
+)
 def test_fairseq2_set_missing_a_last_shard_is_refused(tmp_path: Path, gone: str) -> None:
     # Only dim-0 keys: without the check, the missing rows would simply not be there.
     full = {"emb.weight": torch.arange(32.0).reshape(8, 4), "proj.weight": torch.arange(48.0).reshape(12, 4)}
@@ -205,9 +207,12 @@ def test_fairseq2_set_missing_a_last_shard_is_refused(tmp_path: Path, gone: str)
     if gone == "last-sdp-of-a-tp-rank":
         (tmp_path / "pp_00" / "tp_01" / "sdp_01.pt").unlink()
         where, what = "tp_01", "sdp_01.pt is missing"
-    else:
+    elif gone == "last-tp-rank-of-a-stage":
         shutil.rmtree(tmp_path / "pp_01" / "tp_01")
         where, what = "pp_01", "TP-1 x SDP-2 but pp_00 is TP-2 x SDP-2"
+    else:  # the incomplete stage is named, whichever comes first
+        shutil.rmtree(tmp_path / "pp_00" / "tp_01")
+        where, what = "pp_00", "TP-1 x SDP-2 but pp_01 is TP-2 x SDP-2"
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=what) as info:
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, dims)
     assert info.value.path.name == where

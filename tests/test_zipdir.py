@@ -59,7 +59,7 @@ def test_an_archive_inside_a_larger_file(tmp_path: Path) -> None:
     assert _records(path, 777, len(inner)) == _oracle(inner)
 
 
-def test_a_zip_written_by_zipfile_with_a_comment_and_prefix(tmp_path: Path) -> None:
+def test_a_zip_written_by_zipfile_with_a_comment(tmp_path: Path) -> None:
     path = tmp_path / "c.zip"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("a/data.pkl", b"pickle bytes")

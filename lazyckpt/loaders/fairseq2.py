@@ -166,11 +166,14 @@ def _check_grid(
             f"holds {most}: sdp_{counts[short]:02d}.pt is missing; the set is incomplete",
         )
     if tp_size and (len(grid_files), most) != (tp_size, sdp_size):
+        # The stage with fewer shard files is the one that lost some.
+        sizes = {stage: (len(grid_files), most), first_stage: (tp_size, sdp_size)}
+        lacking, whole = sorted(sizes, key=lambda st: sizes[st][0] * sizes[st][1])
         raise CorruptModelCheckpointError(
-            stage,
-            f"is TP-{len(grid_files)} x SDP-{most} but {first_stage.relative_to(root)} is "
-            f"TP-{tp_size} x SDP-{sdp_size}; every pipeline stage has the same sizes, so the set "
-            "is incomplete",
+            lacking,
+            f"is TP-{sizes[lacking][0]} x SDP-{sizes[lacking][1]} but {whole.relative_to(root)} "
+            f"is TP-{sizes[whole][0]} x SDP-{sizes[whole][1]}; every pipeline stage has the same "
+            "sizes, so the set is incomplete",
         )
 
 

@@ -174,11 +174,13 @@ _LISTED = 5
 
 def _all_of(path: Path, bad: list[CorruptModelCheckpointError]) -> CorruptModelCheckpointError:
     """One error for every bad header entry (a truncated file has one per key past the cut),
-    so that none hides the others; it carries the first key."""
+    so that none hides the others: the first few in full, the rest by key. It carries the
+    first key."""
     if len(bad) == 1:
         return bad[0]
     listed = "; ".join(e.detail for e in bad[:_LISTED])
-    more = f"; and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
+    rest = [repr(e.key) for e in bad[_LISTED:]]
+    more = f"; and {len(rest)} more: {', '.join(rest)}" if rest else ""
     return CorruptModelCheckpointError(
         path, f"{len(bad)} keys have bad header entries: {listed}{more}", key=bad[0].key
     )

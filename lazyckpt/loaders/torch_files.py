@@ -25,7 +25,7 @@ __all__ = ["TorchCheckpointLoader", "read_torch_file"]
 SUFFIXES = (".pt", ".pth", ".bin")
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 TRAINER_STATE = re.compile(
-    r"training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+    r"training_args\.bin|(optimizer|scheduler|scaler)\.(pt|bin)|rng_state(_\d+)?\.pth"
 )
 """What a Hugging Face Trainer saves beside the weights in a ``checkpoint-N`` folder: not
 weights, so a folder is never read as a torch checkpoint because of them."""
