@@ -978,10 +978,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _sigterm_as_interrupt():
             return int(args.func(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             traceback.print_exc()
-        print("lazyckpt: interrupted", file=sys.stderr)
+        late = str(exc) if str(exc).startswith("after ") else ""  # the work was done first
+        print(f"lazyckpt: interrupted{' ' + late if late else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ModelCheckpointError as exc:
         return fail(EXIT_CHECKPOINT, exc)

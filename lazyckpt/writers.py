@@ -15,12 +15,14 @@ removed, so the destination either holds the whole new checkpoint or is left as 
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -391,10 +393,13 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     """A temporary folder beside ``dst`` that becomes ``dst`` when the block succeeds.
 
     ``dst`` may be missing or an empty folder; with ``force`` anything there is replaced (moved
-    aside, then deleted once the new folder is in place). Files written in the block must be
-    fsync'd by their writers; the folder and its parent are fsync'd here. On any exception,
-    KeyboardInterrupt included, the temporary folder and any parent folders created for it are
-    removed and ``dst`` is left as it was.
+    aside, then deleted once the new folder is in place). Without ``force``, a ``dst`` that was
+    filled meanwhile is not replaced (:class:`DestinationError`). Files written in the block
+    must be fsync'd by their writers; the folder and its parent are fsync'd here. On any
+    exception, KeyboardInterrupt included, the temporary folder and any parent folders created
+    for it are removed and ``dst`` is left as it was. Interrupts wait while the new folder is
+    put in place and the old one deleted: one that comes then is raised after, saying that
+    ``dst`` was written, with nothing left beside it.
     """
     dst = Path(os.path.abspath(dst))
     empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
@@ -416,8 +421,9 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is a plain folder
         yield tmp
         _fsync_dir(tmp)
-        _publish(tmp, dst)
-        tmp = None
+        with _interrupts_deferred(f"{dst} was written"):
+            _publish(tmp, dst, force)
+            tmp = None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -434,20 +440,64 @@ def _umask() -> int:
     return mask
 
 
-def _publish(tmp: Path, dst: Path) -> None:
-    """Rename ``tmp`` to ``dst``, replacing whatever is there, then fsync the parent."""
+@contextmanager
+def _interrupts_deferred(done: str) -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done, then act as they would have: a
+    ``KeyboardInterrupt`` (saying ``done``, what the block achieved) from Python's handler or
+    the CLI's, the default action otherwise. (A signal mask would not do: another thread of
+    the process may take the signal, and CPython still raises in the main thread.)"""
+    got: list[int] = []
+
+    def record(signum: int, frame: Any) -> None:
+        got.append(signum)
+
+    try:
+        before = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: Python delivers no signal here
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    if got:
+        handler = before[signal.Signals(got[0])]
+        if callable(handler):
+            try:
+                handler(got[0], None)
+            except KeyboardInterrupt as exc:
+                raise KeyboardInterrupt(f"after {done}") from exc
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(got[0])
+
+
+def _publish(tmp: Path, dst: Path, force: bool) -> None:
+    """Rename ``tmp`` to ``dst``, then fsync the parent. Without ``force`` a missing or empty
+    ``dst`` is replaced and anything else refused, in the rename itself (Linux replaces an empty
+    folder and refuses a non-empty one); with ``force`` whatever is there is moved aside first
+    and deleted once ``tmp`` took its place."""
+    if not force:
+        try:
+            os.rename(tmp, dst)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise DestinationError(
+                f"{dst} was filled while resharding, so it is left as it is; choose a new "
+                "destination or pass --force to replace it"
+            ) from None
+        _fsync_dir(dst.parent)
+        return
     old: Path | None = None
     if dst.exists() or dst.is_symlink():
-        if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
-            dst.rmdir()
-        else:
-            old = Path(
-                tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent)
-            )
-            os.rename(dst, old / "old")
+        old = Path(
+            tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent)
+        )
+        os.rename(dst, old / "old")
     try:
         os.rename(tmp, dst)
-    except BaseException:
+    except OSError:
         if old is not None:
             os.rename(old / "old", dst)
             old.rmdir()
@@ -597,6 +647,11 @@ def reshard(
     stats = base.stats if base.stats is not None else LoadStats()
     base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
     index = loader.index(src_path, shard_dims, base)
+    for f in index.files:  # an index file names data files elsewhere, maybe inside dst
+        if _is_within(f.resolve(), dst_real):
+            raise DestinationError(
+                f"{dst_path} holds {f}, a file of the source; write the new checkpoint elsewhere"
+            )
     cache: dict[Layout, list[TensorPlan]] = {}
 
     def plans_for(layout: Layout) -> list[TensorPlan]:

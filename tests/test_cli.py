@@ -493,6 +493,39 @@ def test_reshard_refuses_a_non_empty_destination_without_force(
     assert _listing(empty) == ["consolidated.00.pth", "params.json"]
 
 
+def test_a_destination_filled_while_resharding_is_not_replaced_without_force(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DST is checked when the reshard starts and again when the result is put in place.
+    folder, _full, _dims = mp4
+    dst = tmp_path / "dst"
+    original = TorchSaveWriter.write
+
+    def write(self: TorchSaveWriter, key: str, tensor: torch.Tensor) -> None:
+        original(self, key, tensor)
+        dst.mkdir(exist_ok=True)
+        (dst / "precious.txt").write_text("someone else's")
+
+    monkeypatch.setattr(TorchSaveWriter, "write", write)
+    rc, _, err = run(capsys, "reshard", folder, dst, "--tp", "2")
+    assert rc == 2 and "was filled while resharding" in err, err
+    assert _listing(dst) == ["precious.txt"]
+    assert _listing(tmp_path) == ["dst", "mp4"]
+
+
+def test_an_index_file_source_protects_its_data_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    sd = sample_state_dict()
+    folder = write_checkpoint("safetensors-index", sd, tmp_path / "hf")
+    index = next(folder.glob("*.index.json"))
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    before = shard.read_bytes()
+    rc, _, err = run(capsys, "reshard", index, shard, "--tp", "1", "--force")
+    assert rc == 2 and "a file of the source" in err, err
+    assert shard.read_bytes() == before
+
+
 def test_a_reshard_that_fails_midway_leaves_nothing(
     capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
 ) -> None:
@@ -560,6 +593,47 @@ def test_ctrl_c_midway_leaves_nothing(mp4, tmp_path: Path) -> None:
     assert child.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert _listing(out_parent) == []
+
+
+_INTERRUPTED_WHILE_PUBLISHING = """
+import os, signal, sys
+from pathlib import Path
+import lazyckpt.writers as w
+from lazyckpt.cli import main
+
+original = w._fsync_dir
+dst = Path(sys.argv[1])
+
+def fsync_dir(path):
+    if Path(path) == dst.parent:  # the new folder was just renamed into place
+        os.kill(os.getpid(), signal.SIGINT)
+    return original(path)
+
+w._fsync_dir = fsync_dir
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_while_the_result_is_put_in_place(mp4, tmp_path: Path) -> None:
+    # The interrupt waits until the new folder is in place and the old one deleted, then
+    # says so: nothing half-done is left, and no rollback runs after the rename.
+    folder, _, _ = mp4
+    out_parent = tmp_path / "out"
+    dst = out_parent / "mp2"
+    dst.mkdir(parents=True)
+    for i in range(50):
+        (dst / f"old{i}.bin").write_bytes(b"old")
+    argv = ["reshard", str(folder), str(dst), "--tp", "2", "--force"]
+    child = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_PUBLISHING, str(dst), *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert child.returncode == 130, child.stderr
+    assert f"interrupted after {dst} was written" in child.stderr, child.stderr
+    assert _listing(out_parent) == ["mp2"]
+    assert _listing(dst) == ["consolidated.00.pth", "consolidated.01.pth", "params.json"]
 
 
 def test_python_dash_m_lazyckpt(mp4) -> None:
