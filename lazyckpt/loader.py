@@ -224,12 +224,16 @@ def _stream(
             budget=options.prefetch_bytes,
             watch=lambda built: alloc.owner(built[1]),
         )
-        for plan, tensor, viewed in items:
-            stats.add_delivered(plan.nbytes, view=viewed)
-            bar.update(plan.nbytes)
-            out = deliverer.deliver(plan, tensor)
-            del tensor
-            yield plan.key, out
-            del out
+        # Closed before the reader: a stream left early (break, close(), an error) stops and
+        # joins the prefetch worker while the files it reads are still open (else it reopens
+        # them into a closed reader, and they stay open).
+        with contextlib.closing(items):
+            for plan, tensor, viewed in items:
+                stats.add_delivered(plan.nbytes, view=viewed)
+                bar.update(plan.nbytes)
+                out = deliverer.deliver(plan, tensor)
+                del tensor
+                yield plan.key, out
+                del out
         if pool is not None:
             pool.synchronize()

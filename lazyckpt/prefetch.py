@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Generic, TypeVar
 
 __all__ = ["prefetched"]
@@ -75,7 +75,7 @@ def prefetched(
     inline: Callable[[T], bool],
     budget: int,
     watch: Callable[[R], object | None] | None = None,
-) -> Iterator[R]:
+) -> Generator[R, None, None]:
     """``build(item)`` for each item in order.
 
     ``inline(item)``: the caller builds the item; other items are built on the worker, and an
@@ -152,6 +152,8 @@ def prefetched(
     finally:
         with cond:
             state.stop = True
-            state.ready.clear()
             cond.notify_all()
         worker.join()
+        # After the join: a build the worker was in stores its slot when it ends, and a slot
+        # kept here would keep its tensor (and, through its finalizer, this state) for good.
+        state.ready.clear()

@@ -3,7 +3,10 @@ read only by ``next()``, and a file with no byte of the target is never opened."
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -118,3 +121,44 @@ def test_closing_the_stream_early_stops_the_prefetcher(tmp_path: Path) -> None:
     assert not any(t.name == "lazyckpt-prefetch" for t in threading.enumerate())
     assert first[0] == "k0"
     shutil.rmtree(tmp_path)  # nothing holds the files open
+
+
+def _open_under(folder: Path) -> int:
+    """This process's file descriptors open on files under ``folder``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder))
+    return count
+
+
+@pytest.mark.parametrize("how", ["close", "break", "consumer-error"])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_a_stream_left_early_leaves_no_file_open_and_no_tensor_alive(
+    tmp_path: Path, how: str, mmap: bool
+) -> None:
+    # The prefetch worker is mid-build when the stream is left: it must be joined before the
+    # reader closes its files (else it reopens them into a closed reader), and what it built
+    # must not be kept (a slot stored after the queue was cleared was held for good).
+    from lazyckpt import prefetch
+
+    save_file({f"k{i}": torch.randn(512, 256) for i in range(24)}, tmp_path / "m.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap, dtype=torch.float16, prefetch_bytes=4 << 20)
+    for _ in range(8):
+        stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+        if how == "close":
+            next(stream)
+            stream.close()  # type: ignore[attr-defined]
+        elif how == "break":
+            for _key, _tensor in stream:
+                break
+            del stream
+        else:
+            with pytest.raises(RuntimeError, match="consumer"):
+                for _key, _tensor in stream:
+                    raise RuntimeError("consumer")
+            del stream
+    gc.collect()
+    assert _open_under(tmp_path) == 0
+    states = [o for o in gc.get_objects() if type(o) is prefetch._State]
+    assert not [st for st in states if st.ready], "prefetched tensors kept after the stream ended"
