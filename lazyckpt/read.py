@@ -191,7 +191,7 @@ class Reader:
         if dst.dtype == dtype and dst.dim() and dst.stride(-1) == 1:
             dst.view(torch.uint8).unflatten(-1, (sizes[-1], itemsize)).copy_(src)
             return
-        out = torch.empty(sizes, dtype=dtype)
+        out = alloc.empty(sizes, dtype)  # unmapped when freed: glibc would keep it
         out.reshape(-1).view(torch.uint8).view(*sizes, itemsize).copy_(src)
         dst.copy_(out)
 
@@ -305,6 +305,14 @@ class Reader:
         target box (contiguous, on the CPU, any dtype)."""
         if piece.numel == 0:
             return
+        if piece.numel * dtype.itemsize > _SLAB_BYTES and (dst.dtype != dtype or not self.use_mmap):
+            # A cast, or a read through a bounce buffer, goes through a temporary of the
+            # piece's size: in slabs it stays within _SLAB_BYTES (about; a slab's gaps count).
+            parts = _slabs(piece, dtype.itemsize)
+            if parts is not None:
+                for part in parts:
+                    self.copy(chunk, dtype, part, dst, key)
+                return
         dst_view = _sub(dst, piece.dst_offsets, piece.sizes)
         if isinstance(chunk.data, torch.Tensor):
             dst_view.copy_(_sub(chunk.data, piece.src_offsets, piece.sizes))
@@ -570,6 +578,26 @@ def _run_offsets(
     run_bytes = runs.length * itemsize
     direct = run_bytes >= _MIN_RUN_BYTES or runs.count <= _FEW_RUNS
     return run_bytes, runs.offsets() if direct else None
+
+
+def _slabs(piece: Piece, itemsize: int) -> list[Piece] | None:
+    """``piece`` cut along its first dim longer than 1 into parts of at most ``_SLAB_BYTES``
+    (one slice each where a slice is larger: :meth:`Reader.copy` cuts those again along the
+    next dim), or None when no dim is longer than 1."""
+    d = next((i for i, n in enumerate(piece.sizes) if n > 1), None)
+    if d is None:
+        return None
+    n = piece.sizes[d]
+    per = max(1, _SLAB_BYTES // (piece.numel // n * itemsize))
+    parts = []
+    for start in range(0, n, per):
+        size = min(per, n - start)
+        src, dst, sizes = list(piece.src_offsets), list(piece.dst_offsets), list(piece.sizes)
+        src[d] += start
+        dst[d] += start
+        sizes[d] = size
+        parts.append(Piece(piece.chunk, tuple(src), tuple(dst), tuple(sizes)))
+    return parts
 
 
 def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

@@ -8,6 +8,8 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,61 @@ def test_a_stream_left_early_leaves_no_file_open_and_no_tensor_alive(
     assert _open_under(tmp_path) == 0
     states = [o for o in gc.get_objects() if type(o) is prefetch._State]
     assert not [st for st in states if st.ready], "prefetched tensors kept after the stream ended"
+
+
+_CAST_PEAK = """
+import gc, sys, threading, time
+import torch, lazyckpt
+
+def rss_anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) << 10
+
+path, mmap = sys.argv[1], sys.argv[2] == "1"
+opts = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap, dtype=torch.bfloat16, prefetch_bytes=0)
+stream = lazyckpt.get_model_checkpoint_loader().lazy_load(path, {}, opts)
+gc.collect()
+base = peak = rss_anon()
+done = threading.Event()
+
+def sample():
+    global peak
+    while not done.is_set():
+        peak = max(peak, rss_anon())
+        time.sleep(0.0005)
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+largest = 0
+for _key, tensor in stream:
+    largest = max(largest, tensor.nbytes)
+    del tensor
+done.set()
+sampler.join()
+print(largest, peak - base)
+"""
+
+
+@pytest.mark.parametrize("source", ["safetensors", "dcp"])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_a_cast_holds_no_full_size_temporary(tmp_path: Path, source: str, mmap: bool) -> None:
+    # fp32 -> bf16 with no read-ahead: a read with pread, or a copy from a DCP chunk whose
+    # elements are not aligned, goes through a temporary of the source dtype: in slabs, it
+    # stays small (a whole one would be 2x the target, 3x in all).
+    sd = {f"w{i}": torch.randn(4096, 2048) for i in range(2)}  # 32 MiB fp32, 16 MiB targets
+    if source == "safetensors":
+        path = tmp_path / "m.safetensors"
+        save_file(sd, path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        path = tmp_path / "dcp"
+        dcp.save({"pad": torch.ones(3, dtype=torch.uint8), **sd}, checkpoint_id=path, no_dist=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CAST_PEAK, str(path), "1" if mmap else "0"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    largest, growth = int(out[0]), int(out[1])
+    assert largest == 16 << 20
+    assert growth <= largest + (20 << 20), (growth >> 20, "MiB")
