@@ -205,7 +205,7 @@ class SafetensorsWriter:
         self.size = self.data_start + cursor
         self._pending = set(self.specs)
         self._fd: int | None = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666
         )
         try:
             os.ftruncate(self._fd, self.size)
@@ -693,7 +693,7 @@ def reshard(
                 json.dumps(doc, indent=2, sort_keys=True) + "\n",
             )
         for name in sidecars:
-            _write_small(tmp / name, (src_root / name).read_bytes())
+            _write_small(tmp / name, _sidecar(src_root / name, dtype))
     return ReshardResult(
         dst=dst_path,
         format=fmt,
@@ -704,6 +704,25 @@ def reshard(
         bytes_written=total,
         stats=stats,
     )
+
+
+_HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _sidecar(path: Path, dtype: torch.dtype | None) -> bytes:
+    """A sidecar's bytes, as they are but for a Hugging Face ``config.json``'s ``torch_dtype``
+    after a cast (``transformers`` loads the weights in that dtype)."""
+    raw = path.read_bytes()
+    if path.name != "config.json" or dtype not in _HF_DTYPES:
+        return raw
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(doc, dict) or "torch_dtype" not in doc:
+        return raw
+    doc["torch_dtype"] = _HF_DTYPES[dtype]
+    return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 def _write_small(path: Path, data: str | bytes) -> None:

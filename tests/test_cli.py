@@ -493,6 +493,31 @@ def test_reshard_refuses_a_non_empty_destination_without_force(
     assert _listing(empty) == ["consolidated.00.pth", "params.json"]
 
 
+def test_reshard_sidecars_and_file_modes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # A cast rewrites config.json's torch_dtype (transformers loads in that dtype); without one
+    # the sidecars are copied byte for byte. Every file written follows the umask.
+    sd = sample_state_dict()
+    folder = write_checkpoint("safetensors-index", sd, tmp_path / "hf")
+    config = {"torch_dtype": "float32", "hidden_size": 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    old = os.umask(0o002)
+    try:
+        rc, _, err = run(capsys, "reshard", folder, tmp_path / "bf16", "--tp", "1",
+                         "--format", "safetensors", "--dtype", "bf16")
+        assert rc == 0, err
+        rc, _, err = run(capsys, "reshard", folder, tmp_path / "same", "--tp", "1",
+                         "--format", "safetensors")
+        assert rc == 0, err
+    finally:
+        os.umask(old)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text()) == {
+        **config, "torch_dtype": "bfloat16"
+    }
+    assert (tmp_path / "same" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
+    assert set(modes.values()) == {0o664}, modes
+
+
 def test_a_destination_filled_while_resharding_is_not_replaced_without_force(
     capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
