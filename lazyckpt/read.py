@@ -305,10 +305,15 @@ class Reader:
         target box (contiguous, on the CPU, any dtype)."""
         if piece.numel == 0:
             return
-        if piece.numel * dtype.itemsize > _SLAB_BYTES and (dst.dtype != dtype or not self.use_mmap):
-            # A cast, or a read through a bounce buffer, goes through a temporary of the
-            # piece's size: in slabs it stays within _SLAB_BYTES (about; a slab's gaps count).
-            parts = _slabs(piece, dtype.itemsize)
+        itemsize = dtype.itemsize
+        if piece.numel * itemsize > _SLAB_BYTES and (
+            dst.dtype != dtype
+            or (not self.use_mmap and piece.numel // piece.sizes[0] * itemsize > _SLAB_BYTES)
+        ):
+            # A cast goes through a temporary of the piece's size, and a pread of short rows
+            # through a bounce buffer of at least one dim-0 slice: in slabs both stay within
+            # _SLAB_BYTES (about: a slab's gaps count). Other pieces are read as they were.
+            parts = _slabs(piece, itemsize)
             if parts is not None:
                 for part in parts:
                     self.copy(chunk, dtype, part, dst, key)
@@ -320,7 +325,6 @@ class Reader:
         region = self._region(chunk)
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            itemsize = dtype.itemsize
             if first % itemsize:
                 self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
             else:

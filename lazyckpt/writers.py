@@ -15,6 +15,7 @@ removed, so the destination either holds the whole new checkpoint or is left as 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import io
 import json
@@ -443,33 +444,41 @@ def _umask() -> int:
 @contextmanager
 def _interrupts_deferred(done: str) -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block is done, then act as they would have: a
-    ``KeyboardInterrupt`` (saying ``done``, what the block achieved) from Python's handler or
-    the CLI's, the default action otherwise. (A signal mask would not do: another thread of
-    the process may take the signal, and CPython still raises in the main thread.)"""
+    ``KeyboardInterrupt`` from Python's handler or the CLI's (saying ``done`` when the block
+    succeeded), the default action otherwise, also when the block raised. (A signal mask would
+    not do: another thread of the process may take the signal, and CPython still raises in the
+    main thread.) Outside the main thread nothing waits: Python delivers no signal there."""
     got: list[int] = []
 
     def record(signum: int, frame: Any) -> None:
         got.append(signum)
 
+    before: dict[signal.Signals, Any] = {}
+    succeeded = False
     try:
-        before = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: Python delivers no signal here
+        with contextlib.suppress(ValueError):  # not the main thread
+            for s in (signal.SIGINT, signal.SIGTERM):
+                before[s] = signal.signal(s, record)
         yield
-        return
-    try:
-        yield
+        succeeded = True
     finally:
         for s, handler in before.items():
-            signal.signal(s, handler)
-    if got:
-        handler = before[signal.Signals(got[0])]
-        if callable(handler):
-            try:
-                handler(got[0], None)
-            except KeyboardInterrupt as exc:
-                raise KeyboardInterrupt(f"after {done}") from exc
-        elif handler == signal.SIG_DFL:
-            signal.raise_signal(got[0])
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if got:
+            _deliver(before[signal.Signals(got[0])], got[0], f"after {done}" if succeeded else "")
+
+
+def _deliver(handler: Any, signum: int, note: str) -> None:
+    """What ``signum`` would have done under ``handler``, a little late."""
+    if callable(handler):
+        try:
+            handler(signum, None)
+        except KeyboardInterrupt as exc:
+            if not note:
+                raise
+            raise KeyboardInterrupt(note) from exc
+    elif handler in (signal.SIG_DFL, None):
+        signal.raise_signal(signum)
 
 
 def _publish(tmp: Path, dst: Path, force: bool) -> None:

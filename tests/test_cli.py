@@ -711,3 +711,22 @@ def test_parse_size() -> None:
     for bad in ("", "GB", "-1MB", "5 parsecs", "0"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_an_interrupt_deferred_while_publishing_is_never_lost() -> None:
+    # It waits for the block, then acts: saying what was done when the block succeeded, and
+    # also when the block raised (then the error is its context).
+    from lazyckpt.writers import _interrupts_deferred
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    deferred = _interrupts_deferred("the work was done")
+    with pytest.raises(KeyboardInterrupt, match="after the work was done"), deferred:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # delivered to Python's handler while the block runs
+    deferred = _interrupts_deferred("the work was done")
+    with pytest.raises(KeyboardInterrupt) as info, deferred:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        raise ValueError("the block failed")
+    assert isinstance(info.value.__context__, ValueError) and "after" not in str(info.value)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
