@@ -418,7 +418,7 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
         p.mkdir()
     tmp: Path | None = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-tmp", dir=dst.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-tmp", dir=dst.parent))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is a plain folder
         yield tmp
         _fsync_dir(tmp)
@@ -433,6 +433,13 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
                     p.rmdir()
                 except OSError:
                     break
+
+
+def _hidden(dst: Path) -> str:
+    """The prefix of a hidden folder beside ``dst``: its name cut so that the prefix, 8 random
+    characters and a suffix fit a file name (255 bytes) however long ``dst``'s name is."""
+    name = dst.name.encode()[:200].decode(errors="ignore")
+    return f".{name}."
 
 
 def _umask() -> int:
@@ -501,7 +508,7 @@ def _publish(tmp: Path, dst: Path, force: bool) -> None:
     old: Path | None = None
     if dst.exists() or dst.is_symlink():
         old = Path(
-            tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".lazyckpt-old", dir=dst.parent)
+            tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-old", dir=dst.parent)
         )
         os.rename(dst, old / "old")
     try:
@@ -720,7 +727,7 @@ _HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16
 
 def _sidecar(path: Path, dtype: torch.dtype | None) -> bytes:
     """A sidecar's bytes, as they are but for a Hugging Face ``config.json``'s ``torch_dtype``
-    after a cast (``transformers`` loads the weights in that dtype)."""
+    (or ``dtype``) after a cast (``transformers`` loads the weights in that dtype)."""
     raw = path.read_bytes()
     if path.name != "config.json" or dtype not in _HF_DTYPES:
         return raw
@@ -728,9 +735,11 @@ def _sidecar(path: Path, dtype: torch.dtype | None) -> bytes:
         doc = json.loads(raw)
     except ValueError:
         return raw
-    if not isinstance(doc, dict) or "torch_dtype" not in doc:
+    keys = [k for k in ("torch_dtype", "dtype") if k in doc] if isinstance(doc, dict) else []
+    if not keys:  # newer transformers write "dtype", older "torch_dtype"
         return raw
-    doc["torch_dtype"] = _HF_DTYPES[dtype]
+    for k in keys:
+        doc[k] = _HF_DTYPES[dtype]
     return (json.dumps(doc, indent=2) + "\n").encode()
 
 

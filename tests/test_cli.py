@@ -498,7 +498,7 @@ def test_reshard_sidecars_and_file_modes(capsys: pytest.CaptureFixture[str], tmp
     # the sidecars are copied byte for byte. Every file written follows the umask.
     sd = sample_state_dict()
     folder = write_checkpoint("safetensors-index", sd, tmp_path / "hf")
-    config = {"torch_dtype": "float32", "hidden_size": 8}
+    config = {"torch_dtype": "float32", "dtype": "float32", "hidden_size": 8}
     (folder / "config.json").write_text(json.dumps(config))
     old = os.umask(0o002)
     try:
@@ -511,11 +511,23 @@ def test_reshard_sidecars_and_file_modes(capsys: pytest.CaptureFixture[str], tmp
     finally:
         os.umask(old)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text()) == {
-        **config, "torch_dtype": "bfloat16"
+        **config, "torch_dtype": "bfloat16", "dtype": "bfloat16"
     }
     assert (tmp_path / "same" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
     assert set(modes.values()) == {0o664}, modes
+
+
+def test_reshard_into_a_folder_with_the_longest_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The hidden work folder beside DST must fit a file name too (255 bytes).
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    dst = tmp_path / ("d" * 255)
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", dst, "--tp", "1")
+    assert rc == 0, err
+    assert _listing(dst) == ["consolidated.00.pth"]
+    assert _listing(tmp_path) == sorted([dst.name, "m.pt"])
 
 
 def test_a_destination_filled_while_resharding_is_not_replaced_without_force(
