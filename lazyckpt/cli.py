@@ -738,7 +738,7 @@ def _verify_report(
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from lazyckpt.writers import parse_size, reshard
+    from lazyckpt.writers import RESHARD_OPTIONS, parse_size, reshard
 
     src = Path(args.src)
     max_shard = parse_size(args.max_shard_size)
@@ -764,8 +764,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         max_shard_size=max_shard,
         force=args.force,
         progress=_progress_enabled() and not args.json,
-        # reshard's own defaults (pread, no read-ahead), with the unpickling rule of the flags
-        options=ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0, restrict=base.restrict),
+        options=replace(RESHARD_OPTIONS, restrict=base.restrict),
         loader=loader,
     )
     if args.json:

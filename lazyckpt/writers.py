@@ -63,6 +63,10 @@ DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 """Hugging Face's default ``max_shard_size`` ("5GB")."""
 
 SIDECARS = ("params.json", "config.json", "generation_config.json")
+RESHARD_OPTIONS = ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
+""":func:`reshard`'s reading options by default: pread (pages of a mapping would stay resident
+as the files are walked) and no read-ahead, so that exactly one tensor is alive while it is
+written."""
 """Small files that describe the model; carried over from a source folder as they are."""
 
 _UNITS = {
@@ -657,9 +661,7 @@ def reshard(
             f"{dst_path} overlaps the source {src_abs}; write the new checkpoint elsewhere"
         )
     Layout(tp_size=tp, dp_size=dp)  # rejects sizes < 1 with a ValueError naming the field
-    # By default: pread (pages of a mapping would stay resident as the files are walked) and no
-    # read-ahead, so that exactly one tensor is alive while it is written.
-    base = options or ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
+    base = options or RESHARD_OPTIONS
     stats = base.stats if base.stats is not None else LoadStats()
     base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
     index = loader.index(src_path, shard_dims, base)
