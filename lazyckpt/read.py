@@ -33,10 +33,17 @@ from pathlib import Path
 
 import torch
 
-from lazyckpt import alloc, stitch, unmap
+from lazyckpt import alloc, readahead, stitch, unmap
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
-from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
+from lazyckpt.plan import (
+    Piece,
+    contiguous_runs,
+    element_offset,
+    is_dense,
+    plan_stitch,
+    span,
+)
 from lazyckpt.stats import LoadStats
 
 __all__ = ["DirectRead", "ReadQueue", "Reader"]
@@ -71,6 +78,7 @@ class _OpenFile:
         except OSError:
             os.close(self.fd)
             raise
+        readahead.no_readahead(self.fd)
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         """Flat tensors over the whole mapping, by dtype (see ``Reader._flat``)."""
@@ -225,6 +233,7 @@ class Reader:
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         if first % dtype.itemsize:
             return None  # not at an address torch may read as dtype (see copy)
+        readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize)
         self._count(region.path, piece.numel * dtype.itemsize)
         flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
         return flat.as_strided(piece.sizes, region.strides)
@@ -255,6 +264,7 @@ class Reader:
             if not is_dense(piece.sizes, region.strides):
                 return None
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
             dst = element_offset(piece.dst_offsets, box_strides) * itemsize
             runs.append((dst, first, piece.numel * itemsize))
             files.append(f)
@@ -325,6 +335,7 @@ class Reader:
         region = self._region(chunk)
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
             if first % itemsize:
                 self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
             else:

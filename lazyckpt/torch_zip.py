@@ -28,6 +28,7 @@ import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import FileRegion
+from lazyckpt.readahead import no_readahead
 from lazyckpt.zipdir import (
     HEAD_BLOCK,
     ZipError,
@@ -205,8 +206,7 @@ def _rebuild_tensor_v3(
         nbytes = storage.numel * storage.dtype.itemsize
         if nbytes % dtype.itemsize:
             raise _PickleError(
-                f"storage {storage.key} of {nbytes} bytes is not a whole number of {dtype} "
-                "elements"
+                f"storage {storage.key} of {nbytes} bytes is not a whole number of {dtype} elements"
             )
         storage = _StorageRef(storage.key, dtype, nbytes // dtype.itemsize)
     return _rebuild_tensor(storage, storage_offset, size, stride)
@@ -446,6 +446,7 @@ def read_torch_archive(
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        no_readahead(fd)  # exact reads of the directory, and no mark for the data reads
     try:
         size = os.fstat(fd).st_size
         start, length = window if window is not None else (0, size)

@@ -511,9 +511,7 @@ def _publish(tmp: Path, dst: Path, force: bool) -> None:
         return
     old: Path | None = None
     if dst.exists() or dst.is_symlink():
-        old = Path(
-            tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-old", dir=dst.parent)
-        )
+        old = Path(tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-old", dir=dst.parent))
         os.rename(dst, old / "old")
     try:
         os.rename(tmp, dst)

@@ -27,6 +27,7 @@ from lazyckpt.loaders._files import (
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.readahead import no_readahead
 
 __all__ = ["SafetensorsCheckpointLoader", "read_safetensors_header"]
 
@@ -83,6 +84,7 @@ def _int(value: Any) -> bool:
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     """The parsed header, the byte offset where data starts, and the file size."""
     with open(path, "rb") as f:
+        no_readahead(f.fileno())  # no read-ahead mark for the data reads to hit
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise CorruptModelCheckpointError(

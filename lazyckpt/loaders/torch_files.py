@@ -18,6 +18,7 @@ from lazyckpt.loaders._files import (
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.readahead import no_readahead
 from lazyckpt.torch_zip import ZIP_MAGIC, read_torch_archive
 
 __all__ = ["TorchCheckpointLoader", "read_torch_file"]
@@ -43,6 +44,7 @@ def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
 def _has_zip_magic(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
+            no_readahead(f.fileno())
             return f.read(4) == ZIP_MAGIC
     except OSError:
         return False

@@ -1,0 +1,200 @@
+"""Cold page cache: a load reads from disk the pages it needs, not the device's read-ahead window
+around them (lazyckpt.readahead).
+
+The disk tests drop the files from the page cache (``fsync`` + ``POSIX_FADV_DONTNEED``) and read
+this process's ``read_bytes`` from ``/proc/self/io``; they skip where the filesystem does not
+show reads there (tmpfs) or the pages cannot be dropped. They fail without the advice on a
+device whose read-ahead window is larger than the pieces (8 MiB on the VM they were written on;
+128 KiB is common, and there the kernel's read-ahead was close to exact already).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_layout_matches
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import lazyckpt
+from lazyckpt.plan import page_ranges
+from lazyckpt.readahead import PAGE
+
+# -- which pages: pure integers -------------------------------------------------------------
+
+
+def _element_bytes(first: int, sizes: list[int], strides: list[int], itemsize: int) -> set[int]:
+    """Every byte of every element, by brute force over the index space."""
+    out: set[int] = set()
+    numel = 1
+    for s in sizes:
+        numel *= s
+    for flat in range(numel):
+        rest, at = flat, first
+        for size, stride in zip(reversed(sizes), reversed(strides)):
+            at += (rest % size) * stride * itemsize
+            rest //= size
+        out.update(range(at, at + itemsize))
+    return out
+
+
+@st.composite
+def strided_pieces(draw: st.DrawFn) -> tuple[int, list[int], list[int], int, int]:
+    """A box of a row-major (or permuted) tensor in a file: first byte, sizes, strides."""
+    ndim = draw(st.integers(1, 3))
+    full = [draw(st.integers(1, 12)) for _ in range(ndim)]
+    order = draw(st.permutations(range(ndim)))
+    strides = [0] * ndim
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= full[d]
+    sizes = [draw(st.integers(1, n)) for n in full]
+    starts = [draw(st.integers(0, n - s)) for n, s in zip(full, sizes)]
+    itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+    base = draw(st.integers(0, 200))
+    first = base + sum(o * s for o, s in zip(starts, strides)) * itemsize
+    page = draw(st.sampled_from([8, 16, 64]))
+    return first, sizes, strides, itemsize, page
+
+
+@given(strided_pieces())
+def test_page_ranges_cover_the_piece_and_stay_close_to_it(
+    case: tuple[int, list[int], list[int], int, int],
+) -> None:
+    first, sizes, strides, itemsize, page = case
+    ranges = list(page_ranges(first, sizes, strides, itemsize, page))
+    wanted = _element_bytes(first, sizes, strides, itemsize)
+    covered: set[int] = set()
+    for start, stop in ranges:
+        assert start % page == 0 and stop % page == 0 and start < stop
+        covered.update(range(start, stop))
+    assert wanted <= covered
+    pages = {b // page for b in covered}
+    needed = {b // page for b in wanted}
+    lo, hi = min(wanted), max(wanted) + 1
+    if len(ranges) > 1:  # run by run: only pages that hold an element
+        assert pages == needed
+    else:  # the span: the piece fills at least half of it
+        assert pages == set(range(lo // page, -(-hi // page)))
+        assert len(wanted) * 2 >= hi - lo or pages == needed
+
+
+def test_page_ranges_of_a_column_slice_skip_the_other_columns() -> None:
+    # TP-4 rank 1 of a matrix of 16 KiB rows (bf16, 8192 columns), in pages of 4 KiB: the slice
+    # is 4 KiB of each row at byte 4096 + 100 of it, so it lies in 2 of each row's 4 pages.
+    first = 100 + 2 * 2048
+    ranges = list(page_ranges(first, [3, 2048], [8192, 1], 2, 4096))
+    assert ranges == [(4096, 12288), (20480, 28672), (36864, 45056)]
+
+
+# -- what a cold load reads from disk ------------------------------------------------------
+
+
+def _disk_reads() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def _drop(paths: list[Path]) -> None:
+    """Take the files out of the page cache (dirty pages are written first: they would stay)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.fixture
+def cold(tmp_path: Path) -> Iterator[None]:
+    """Skip unless reads of dropped pages of ``tmp_path`` show in ``read_bytes``."""
+    if not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self/io"):
+        pytest.skip("needs posix_fadvise and /proc/self/io (Linux)")
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 20))
+    _drop([probe])
+    before = _disk_reads()
+    probe.read_bytes()
+    if _disk_reads() - before < 1 << 20:
+        pytest.skip(f"{tmp_path} does not show reads of dropped pages in /proc/self/io")
+    probe.unlink()
+    yield
+
+
+def _cold_load(
+    paths: list[Path],
+    source: Path,
+    shard_dims: dict[str, int],
+    layout: lazyckpt.Layout,
+    mmap: bool = True,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Every tensor of a cold ``lazy_load`` (touched, then copied), and the bytes read from
+    disk meanwhile."""
+    _drop(paths)
+    options = lazyckpt.ModelCheckpointLoadOptions(layout=layout, mmap=mmap)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    before = _disk_reads()
+    got = {k: t.clone() for k, t in loader.lazy_load(source, shard_dims, options)}
+    return got, _disk_reads() - before
+
+
+_SLACK = 64 << 10
+"""Index reads (a header, a zip directory) and a page more at the ends of each piece."""
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_fsdp_rank_reads_its_eighth_from_a_cold_safetensors_file(
+    tmp_path: Path, cold: None, mmap: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    full = {f"layers.{i}.w": torch.randn(1024, 1024, generator=g) for i in range(8)}  # 32 MiB
+    path = tmp_path / "model.safetensors"
+    save_file(full, path)
+    layout = lazyckpt.Layout(dp_size=8, dp_rank=3)
+    got, read = _cold_load([path], path, {}, layout, mmap=mmap)
+    assert_layout_matches(got, full, {}, layout)
+    needed = sum(t.numel() * 4 for t in full.values()) // 8
+    assert read <= needed + len(full) * 2 * PAGE + _SLACK, (read, needed)
+
+
+def test_column_blocks_of_a_cold_model_parallel_set_read_their_own_rows(
+    tmp_path: Path, cold: None
+) -> None:
+    # MP-4, split on dim 1: FSDP rank 0 takes the first rows of each rank file's block, one
+    # contiguous range per file, copied from the mapping into its columns.
+    g = torch.Generator().manual_seed(1)
+    full = {"w": torch.randn(4096, 2048, generator=g)}  # 32 MiB, 8 MiB per rank file
+    paths = []
+    for r in range(4):
+        paths.append(tmp_path / f"consolidated.{r:02d}.pth")
+        torch.save({"w": full["w"].chunk(4, 1)[r].clone()}, paths[-1])
+    layout = lazyckpt.Layout(dp_size=8, dp_rank=0)
+    got, read = _cold_load(paths, tmp_path, {"w": 1}, layout)
+    assert_layout_matches(got, full, {"w": 1}, layout)
+    needed = full["w"].numel() * 4 // 8
+    assert read <= needed + 4 * (2 * PAGE + _SLACK), (read, needed)
+
+
+def test_a_cold_column_slice_reads_only_the_pages_of_its_columns(
+    tmp_path: Path, cold: None
+) -> None:
+    # TP-4 rank 1 of a matrix of 16 KiB rows: 4 KiB of each row, which lie in 2 of its 4 pages.
+    g = torch.Generator().manual_seed(2)
+    full = {"w": torch.randn(1024, 4096, generator=g)}  # 16 MiB
+    path = tmp_path / "model.safetensors"
+    save_file(full, path)
+    layout = lazyckpt.Layout(tp_size=4, tp_rank=1)
+    got, read = _cold_load([path], path, {"w": 1}, layout)
+    assert_layout_matches(got, full, {"w": 1}, layout)
+    rows, row_bytes = full["w"].shape[0], full["w"].shape[1] * 4
+    assert read <= rows * (-(-(row_bytes // 4) // PAGE) + 1) * PAGE + _SLACK, read
