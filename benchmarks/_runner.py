@@ -541,6 +541,19 @@ def spin(conn: Any) -> None:
     conn.close()
 
 
+def disk_read() -> int | None:
+    """Bytes this process has had read from storage (``read_bytes`` of ``/proc/self/io``: page
+    cache misses, read-ahead included), or None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def child_main(spec: dict[str, Any], conn: Any) -> None:
     """Entry point of a measurement process (started by the fork server)."""
     try:
@@ -550,9 +563,13 @@ def child_main(spec: dict[str, Any], conn: Any) -> None:
         gc.collect()
         conn.send(("ready", rss_anon()))
         conn.recv()  # the parent's sampler is running
+        disk = disk_read()
         t0 = time.perf_counter()
         out = run()
         seconds = time.perf_counter() - t0
+        if disk is not None:
+            after_disk = disk_read()
+            out["disk_read"] = None if after_disk is None else after_disk - disk
         out["end_anon"] = rss_anon()
         after = getattr(run, "after", None)
         if after is not None:

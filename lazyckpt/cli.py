@@ -12,7 +12,9 @@ Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import traceback
@@ -39,7 +41,7 @@ from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["ShardDimsChoice", "build_parser", "main", "resolve_shard_dims"]
 
-EXIT_OK, EXIT_CHECKPOINT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_CHECKPOINT, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DEFAULT_PREFETCH = ModelCheckpointLoadOptions().prefetch_bytes
@@ -149,7 +151,7 @@ def load_shard_dims(spec: str) -> ShardDimsChoice:
     if spec in PRESETS:
         return ShardDimsChoice(PresetShardDims(PRESETS[spec]), f"preset {spec}")
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe (<(...)) is not a regular file, but reads
         raise UsageError(
             f"--shard-dims {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
             "JSON file mapping keys to dims"
@@ -365,6 +367,11 @@ def summarize_plans(
 
 
 def _layout_of(args: argparse.Namespace) -> Layout:
+    for rank, size, flag in ((args.tp_rank, args.tp, "tp"), (args.dp_rank, args.dp, "dp")):
+        if rank >= size:
+            raise UsageError(
+                f"--{flag}-rank {rank} needs --{flag} {rank + 1} or more (ranks count from 0)"
+            )
     return Layout(tp_size=args.tp, tp_rank=args.tp_rank, dp_size=args.dp, dp_rank=args.dp_rank)
 
 
@@ -489,6 +496,9 @@ def index_collecting(
         options = replace(base or ModelCheckpointLoadOptions(), key_map=_drop(frozenset(dropped)))
         try:
             return loader.index(path, dims, options), dropped
+        except OSError as exc:  # unreadable (permissions, I/O error): a problem like the rest
+            problems.add(exc)
+            return None, dropped
         except ModelCheckpointError as exc:
             problems.add(exc)
             key = key_of(exc)
@@ -661,7 +671,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     base = _base_options(args)
     try:
         loader = detect_loader(path)
-    except (ModelCheckpointError, FileNotFoundError) as exc:
+    except (ModelCheckpointError, OSError) as exc:
         problems.add(exc)
         return _verify_report(args, path, None, problems, 0, 0, 0)
     choice = resolve_shard_dims(args.shard_dims, loader, path, base)
@@ -675,7 +685,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for f in _data_files(loader, path):
             try:
                 floader = detect_loader(f)
-            except ModelCheckpointError as exc:
+            except (ModelCheckpointError, OSError) as exc:
                 problems.add(exc)
                 continue
             findex, fdropped = index_collecting(floader, f, dims, problems, base)
@@ -738,10 +748,17 @@ def _verify_report(
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from lazyckpt.writers import RESHARD_OPTIONS, parse_size, reshard
+    from lazyckpt.writers import DEFAULT_MAX_SHARD_SIZE, RESHARD_OPTIONS, parse_size, reshard
 
     src = Path(args.src)
-    max_shard = parse_size(args.max_shard_size)
+    if args.max_shard_size is not None and (args.format, args.tp, args.dp) != ("safetensors", 1, 1):
+        raise UsageError(
+            "--max-shard-size applies to --format safetensors --tp 1 --dp 1 only: other layouts "
+            "write one file per rank"
+        )
+    max_shard = (
+        DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None else parse_size(args.max_shard_size)
+    )
     base = _base_options(args)
     loader = detect_loader(src)
     choice = resolve_shard_dims(args.shard_dims, loader, src, base)
@@ -924,9 +941,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors")
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         metavar="SIZE",
-        help="largest safetensors shard with --tp 1, e.g. 5GB or 500MiB (default 5GB)",
+        help="largest safetensors file with --format safetensors --tp 1 --dp 1, e.g. 5GB or "
+        "500MiB (default 5GB)",
     )
     p.add_argument("--force", action="store_true", help="replace a DST that is not empty")
     _add_common(p)
@@ -960,7 +978,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 checkpoint, 2 usage, 130 Ctrl-C)."""
+    """Run the command line; returns the exit code (0 ok, 1 checkpoint, 2 usage, 130 Ctrl-C,
+    141 stdout closed early)."""
+    for stream in (sys.stdout, sys.stderr):  # file names need not be text: print their bytes
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="surrogateescape")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -989,6 +1013,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(EXIT_USAGE, exc)
     except FileNotFoundError as exc:
         return fail(EXIT_CHECKPOINT, exc)
+    except BrokenPipeError:  # the reader of stdout is gone (| head): stop quietly, as tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return EXIT_PIPE
     except OSError as exc:
         return fail(EXIT_CHECKPOINT, exc)
     except Exception as exc:

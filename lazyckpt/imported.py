@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["fsdp_module_class", "is_dtensor"]
+__all__ = ["fsdp_module_class", "is_device_mesh", "is_dtensor"]
 
 
 def _imported(module: str, name: str) -> type | None:
@@ -21,6 +21,11 @@ def _imported(module: str, name: str) -> type | None:
 
 def is_dtensor(obj: object) -> bool:
     cls = _imported("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(obj, cls)
+
+
+def is_device_mesh(obj: object) -> bool:
+    cls = _imported("torch.distributed.device_mesh", "DeviceMesh")
     return cls is not None and isinstance(obj, cls)
 
 

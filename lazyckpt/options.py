@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lazyckpt.imported import is_device_mesh
 from lazyckpt.layout import Layout
 from lazyckpt.stats import LoadStats
 
@@ -77,6 +78,15 @@ class ModelCheckpointLoadOptions:
                 raise ValueError(f"options.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"options.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ValueError(
+                f"options.dtype is {self.dtype}, but only floating-point tensors are cast: give a "
+                "floating-point dtype (integer and bool tensors keep theirs), or None"
+            )
+        if self.mesh is not None and not is_device_mesh(self.mesh):
+            raise ValueError(
+                f"options.mesh must be a torch.distributed DeviceMesh, got {self.mesh!r}"
+            )
         if self.device is not None:
             try:
                 torch.device(self.device)

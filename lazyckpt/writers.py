@@ -35,13 +35,14 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from lazyckpt.build import output_dtype
-from lazyckpt.index import contiguous_strides
+from lazyckpt.build import fill, output_dtype
+from lazyckpt.index import CheckpointIndex, contiguous_strides
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import TensorPlan, plan_load
+from lazyckpt.load_plan import TensorPlan, plan_entry, plan_load
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = [
@@ -422,7 +423,14 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
         p.mkdir()
     tmp: Path | None = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-tmp", dir=dst.parent))
+        try:
+            tmp = Path(
+                tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-tmp", dir=dst.parent)
+            )
+        except OSError as exc:  # it names the hidden folder, which the user never asked for
+            raise type(exc)(
+                exc.errno, f"{exc.strerror}: cannot make a folder in {dst.parent} to write {dst}"
+            ) from None
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is a plain folder
         yield tmp
         _fsync_dir(tmp)
@@ -442,7 +450,7 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
 def _hidden(dst: Path) -> str:
     """The prefix of a hidden folder beside ``dst``: its name cut so that the prefix, 8 random
     characters and a suffix fit a file name (255 bytes) however long ``dst``'s name is."""
-    name = dst.name.encode()[:200].decode(errors="ignore")
+    name = os.fsdecode(os.fsencode(dst.name)[:200])  # a name need not be UTF-8
     return f".{name}."
 
 
@@ -692,7 +700,11 @@ def reshard(
                         f"key {s.key!r} has dtype {s.dtype}, which safetensors cannot store; "
                         "pass --dtype or use --format consolidated"
                     )
-    sidecars = [n for n in SIDECARS if src_path.is_dir() and (src_root / n).is_file()]
+    # A Hugging Face index file stands for its folder; a lone weights file has no sidecars.
+    in_folder = src_path.is_dir() or src_path.name.endswith(".index.json")
+    sidecars = [n for n in SIDECARS if in_folder and (src_root / n).is_file()]
+    if base.verify_replicas:
+        _check_replicas(index, shard_dims, base)
     total = sum(o.nbytes for o in outputs)
     bar = byte_bar(total, "writing", enabled=progress)
     with bar, atomic_folder(dst_path, force=force) as tmp:
@@ -720,6 +732,28 @@ def reshard(
         bytes_written=total,
         stats=stats,
     )
+
+
+def _check_replicas(
+    index: CheckpointIndex, shard_dims: Mapping[str, int], options: ModelCheckpointLoadOptions
+) -> None:
+    """Compare every copy of each replicated key (up to ``verify_replicas_max_bytes``) before
+    anything is written.
+
+    ``lazy_load`` compares only the copies in files its rank reads anyway, so an MP-N set
+    written as TP-N (each rank reads its one file) compared none, and a damaged copy was
+    written out as it was. ``reshard`` reads every file, so it checks them all."""
+    entries = [
+        e for e in index if len(e.copies) > 1 and e.nbytes <= options.verify_replicas_max_bytes
+    ]
+    if not entries:
+        return
+    with torch.no_grad(), Reader(use_mmap=options.mmap, stats=options.stats) as reader:
+        for entry in entries:
+            dim, box, pieces = plan_entry(entry, shard_dims, Layout(), index.path)
+            others = tuple((i, p) for i, p in enumerate(pieces) if i)
+            plan = TensorPlan(entry, dim, box, 0, pieces[0], others)
+            fill(plan, reader, torch.empty(box.sizes, dtype=entry.dtype))
 
 
 _HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -742,3 +742,144 @@ def test_an_interrupt_deferred_while_publishing_is_never_lost() -> None:
         raise ValueError("the block failed")
     assert isinstance(info.value.__context__, ValueError) and "after" not in str(info.value)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+# -- found by a review of the command line (each failed before its fix) ---------------------
+
+
+def test_reshard_mp_n_to_tp_n_compares_the_replicas(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # Each TP-4 rank reads its one rank file, so lazy_load compares no copies; reshard reads
+    # every file and must find the damaged copy before writing anything.
+    folder, full, dims = mp4
+    norm = next(k for k in full if k not in dims and full[k].dim() == 1)
+    damaged = full[norm].clone()
+    damaged[3] += 1
+    _resave(folder / "consolidated.02.pth", {norm: damaged})
+    rc, _, err = run(capsys, "reshard", folder, tmp_path / "out", "--tp", "4")
+    assert rc == 1, err
+    assert f"key {norm!r} should be a replica" in err and "consolidated.02.pth" in err, err
+    assert _listing(tmp_path) == ["mp4"]
+
+
+def test_reshard_to_a_destination_named_in_other_bytes_than_utf8(tmp_path: Path) -> None:
+    # In a process of its own: what it prints holds the name's bytes, which are not UTF-8.
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    dst = os.fsencode(tmp_path) + b"/out_\xff"
+    done = subprocess.run(
+        [sys.executable, "-m", "lazyckpt", "reshard", os.fsencode(tmp_path / "m.pt"), dst, "--tp", "1"],
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"wrote " + dst in done.stdout, done.stdout
+    assert os.listdir(dst) == [b"consolidated.00.pth"]
+
+
+def test_reshard_errors_name_the_destination_not_the_work_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", tmp_path / "afile" / "sub", "--tp", "1")
+    assert rc == 1 and str(tmp_path / "afile" / "sub") in err, err
+    assert "lazyckpt-tmp" not in err, err
+
+
+def test_reshard_from_an_index_file_copies_the_sidecars(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder = write_checkpoint("safetensors-index", sample_state_dict(), tmp_path / "hf")
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    index = folder / "model.safetensors.index.json"
+    rc, _, err = run(capsys, "reshard", index, tmp_path / "out", "--tp", "1")
+    assert rc == 0, err
+    assert (tmp_path / "out" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+
+
+def test_max_shard_size_is_refused_where_it_does_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    for extra in (["--tp", "2", "--format", "safetensors"], ["--tp", "1"]):
+        rc, _, err = run(
+            capsys, "reshard", tmp_path / "m.pt", tmp_path / "out", *extra, "--max-shard-size", "1MB"
+        )
+        assert rc == 2 and "--max-shard-size applies to" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_names_the_flags_of_a_rank_past_its_size(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    rc, _, err = run(capsys, "plan", tmp_path / "m.pt", "--tp", "2", "--dp-rank", "1")
+    assert rc == 2 and "--dp-rank 1 needs --dp 2 or more" in err, err
+    rc, _, err = run(capsys, "plan", tmp_path / "m.pt", "--tp", "2", "--tp-rank", "2")
+    assert rc == 2 and "--tp-rank 2 needs --tp 3 or more" in err, err
+
+
+def test_shard_dims_from_a_pipe(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # --shard-dims <(cat dims.json): the shell passes /dev/fd/N, a pipe and not a regular file.
+    folder, _full, dims = mp4
+    r, w = os.pipe()
+    try:
+        os.write(w, json.dumps(dims).encode())
+        os.close(w)
+        doc = run_json(capsys, "inspect", folder, "--shard-dims", f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+    assert doc["shard_dims"]["dims"] == dims
+
+
+def test_verify_json_reports_a_file_it_cannot_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A symlink loop fails with an OSError (ELOOP) as an unreadable file does; the JSON report
+    # must still come out, saying what failed.
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "model.safetensors")
+    rc, out, err = run(capsys, "verify", tmp_path / "model.safetensors", "--json")
+    assert rc == 1, err
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["problems"], doc
+
+
+def test_output_closed_early_ends_quietly(tmp_path: Path) -> None:
+    # `lazyckpt inspect ... | head -1`: no "Broken pipe" error once the reader has gone.
+    torch.save({f"k{i}": torch.zeros(1) for i in range(3000)}, tmp_path / "many.pt")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lazyckpt", "inspect", str(tmp_path / "many.pt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == "", err
+
+
+def test_a_folder_of_per_rank_files_says_to_pass_one_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch.save(sample_state_dict(), tmp_path / "m.pt")
+    out = tmp_path / "tp2"
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", out, "--tp", "2", "--format",
+                     "safetensors", "--shard-dims", "llama3-fairscale")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "inspect", out)
+    assert rc == 1 and "pass the rank's file" in err, err
+    rc, _, err = run(capsys, "inspect", out / "model-tp01.safetensors")
+    assert rc == 0, err
+
+
+def test_options_refuse_what_they_would_ignore() -> None:
+    with pytest.raises(ValueError, match="only floating-point tensors are cast"):
+        lazyckpt.ModelCheckpointLoadOptions(dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"options\.mesh must be a torch\.distributed DeviceMesh"):
+        lazyckpt.ModelCheckpointLoadOptions(mesh="x")  # type: ignore[arg-type]

@@ -147,7 +147,9 @@ def build_file_set_index(
                 raise CorruptModelCheckpointError(
                     path,
                     f"key {t.key!r} is in both {seen[t.key].name} and {path.name}; a folder "
-                    "without an index must hold each key once: remove the duplicate file",
+                    "without an index must hold each key once. Files of one rank each (as "
+                    "`lazyckpt reshard --format safetensors --tp N` writes) are loaded one file "
+                    "at a time: pass the rank's file; otherwise one of the two is a stray copy",
                     key=t.key,
                 )
             seen[t.key] = path
