@@ -74,7 +74,7 @@ def read_ahead(
     its span). The pages are those of :func:`lazyckpt.plan.page_ranges`: the span, or each run's
     pages where the span is mostly gaps."""
     count = span(sizes, strides) * itemsize
-    if count == 0 or cached(fd, first + count // 2):
+    if count == 0 or not hasattr(os, "posix_fadvise") or cached(fd, first + count // 2):
         return
     for start, stop in page_ranges(first, sizes, strides, itemsize, PAGE):
         stop = min(stop, file_size)
