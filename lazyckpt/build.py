@@ -11,16 +11,25 @@ from lazyckpt import alloc
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk
 from lazyckpt.load_plan import TensorPlan
+from lazyckpt.options import castable
 from lazyckpt.plan import Box, Piece, plan_pieces
 from lazyckpt.read import Reader
 from lazyckpt.threads import one_intraop_thread
 
-__all__ = ["PinnedPool", "build_tensor", "fill", "fill_all", "output_dtype", "same_bits"]
+__all__ = [
+    "PinnedPool",
+    "build_tensor",
+    "fill",
+    "fill_all",
+    "output_dtype",
+    "same_bits",
+]
 
 
 def output_dtype(src: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
-    """Only floating-point tensors are cast: integer ids and bool masks keep their dtype."""
-    if requested is None or not (src.is_floating_point and requested.is_floating_point):
+    """Only floating-point tensors are cast: integer ids and bool masks keep their dtype (and
+    so do packed float4 tensors, which torch cannot convert)."""
+    if requested is None or not (castable(src) and castable(requested)):
         return src
     return requested
 

@@ -15,9 +15,19 @@ from lazyckpt.stats import LoadStats
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map"]
+__all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map", "castable"]
 
 MiB = 1 << 20
+
+
+def castable(dtype: torch.dtype) -> bool:
+    """Floating-point dtypes torch converts to and from: not the packed ``float4_e2m1fn_x2``
+    (two values a byte), which ``copy_`` refuses either way."""
+    return dtype.is_floating_point and dtype not in _PACKED
+
+
+_PACKED = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 """Renames checkpoint keys: a mapping (keys not in it stay as they are) or a function; a
@@ -78,10 +88,11 @@ class ModelCheckpointLoadOptions:
                 raise ValueError(f"options.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"options.dtype must be a torch.dtype, got {self.dtype!r}")
-        if self.dtype is not None and not self.dtype.is_floating_point:
+        if self.dtype is not None and not castable(self.dtype):
             raise ValueError(
-                f"options.dtype is {self.dtype}, but only floating-point tensors are cast: give a "
-                "floating-point dtype (integer and bool tensors keep theirs), or None"
+                f"options.dtype is {self.dtype}, but only floating-point tensors are cast, to a "
+                "dtype torch converts to: give another (integer and bool tensors keep theirs), or "
+                "None"
             )
         if self.mesh is not None and not is_device_mesh(self.mesh):
             raise ValueError(

@@ -65,3 +65,19 @@ def test_dcp_metadata_globals_are_allow_listed(tmp_path: Path) -> None:
     meta = (tmp_path / "ok" / ".metadata").read_bytes()
     assert b"torch.distributed.checkpoint.metadata" in meta
     assert torch.equal(load_all(tmp_path / "ok")["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("keys", [1, 2])
+def test_a_dcp_save_in_safetensors_format_is_named_as_such(tmp_path: Path, keys: int) -> None:
+    # FileSystemWriter(serialization_format=SAFETENSORS) writes safetensors files whose
+    # .metadata gives every item offset 0; torch's FileSystemReader cannot read them either. Two
+    # items in one file looked like overlapping (damaged) entries, one like a bad torch zip.
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(5)}
+    folder = tmp_path / "ck"
+    writer = FileSystemWriter(folder, serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save(dict(list(sd.items())[:keys]), storage_writer=writer, no_dist=True)
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="serialization_format=SAFE"):
+        load_all(folder)

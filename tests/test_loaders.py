@@ -336,3 +336,15 @@ def test_an_empty_view_past_its_empty_storage_loads(tmp_path: Path) -> None:
         got = load_all(tmp_path / "m.pt", {}, mmap=mmap)
         assert list(got) == ["x", "w"]
         assert got["x"].shape == want["x"].shape and same_bits(got["w"], want["w"])
+
+
+def test_packed_float4_keeps_its_dtype_under_a_cast(tmp_path: Path) -> None:
+    # torch converts nothing to or from float4_e2m1fn_x2 (two values a byte): a cast of the
+    # load leaves it as it is, as it leaves integers, and it is refused as the target dtype.
+    x = torch.arange(24, dtype=torch.uint8).reshape(4, 6).view(torch.float4_e2m1fn_x2)
+    torch.save({"a": torch.ones(2), "x": x}, tmp_path / "m.pt")
+    got = load_all(tmp_path / "m.pt", dtype=torch.bfloat16)
+    assert got["a"].dtype == torch.bfloat16
+    assert got["x"].dtype == torch.float4_e2m1fn_x2 and same_bits(got["x"], x)
+    with pytest.raises(ValueError, match="only floating-point tensors are cast"):
+        lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float4_e2m1fn_x2)

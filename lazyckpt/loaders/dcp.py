@@ -20,7 +20,7 @@ from typing import Any, final
 
 import torch
 
-from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.errors import CorruptModelCheckpointError, UnknownCheckpointFormatError
 from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, LazyRegion, TensorEntry, add_entry
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -125,6 +125,8 @@ def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
     for rel, windows in by_file.items():
         windows.sort()
         for (a0, a1, a), (b0, b1, b) in itertools.pairwise(windows):
+            if b0 < a1 and _is_safetensors(meta_path.parent / rel):
+                raise _safetensors_format(meta_path.parent / rel)
             if b0 < a1:
                 raise CorruptModelCheckpointError(
                     meta_path,
@@ -132,6 +134,26 @@ def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
                     f"[{b0}, {b1})) overlap in {rel}; the metadata is damaged",
                     key=b,
                 )
+
+
+def _safetensors_format(path: Path) -> UnknownCheckpointFormatError:
+    return UnknownCheckpointFormatError(
+        path,
+        "is a safetensors file: the DCP folder was saved with "
+        "FileSystemWriter(serialization_format=SAFETENSORS), whose .metadata does not say where "
+        "each tensor lies (torch 2.13's own FileSystemReader cannot read it either); save with "
+        "the default format (TORCH_SAVE)",
+    )
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether ``path`` starts as a safetensors file does: a header length, then ``{"``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(10)
+    except OSError:
+        return False
+    return len(head) == 10 and head[8:10] == b'{"' and int.from_bytes(head[:8], "little") > 1
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
@@ -317,6 +339,8 @@ def _locate(
             file, restrict=restrict, window=(offset, length), fd=fd, memo=memo, shapes=shapes
         )
     except CorruptModelCheckpointError as exc:
+        if offset == 0 and _is_safetensors(file):
+            raise _safetensors_format(file) from None
         raise CorruptModelCheckpointError(
             file, f"key {fqn!r}: the chunk at byte {offset}: {exc.detail}", key=fqn
         ) from None
