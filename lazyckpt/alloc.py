@@ -44,10 +44,19 @@ def _mapping(nbytes: int) -> mmap.mmap:
     return buf
 
 
+_OWNERS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+"""The holder of each live buffer, by the address of its memory. Not an attribute of the tensor:
+``torch.save``, ``pickle`` and ``copy.deepcopy`` take a tensor's ``__dict__`` along, and a ctypes
+array or a mapping cannot be pickled. An entry goes when its holder does."""
+_OWNERS_LOCK = threading.Lock()
+
+
 def _wrap(holder: object, sizes: Sequence[int], dtype: torch.dtype, numel: int) -> torch.Tensor:
-    # The tensor keeps ``holder`` alive, through any view of it: ``owner`` finds it again.
+    # The tensor's storage keeps ``holder`` alive (``frombuffer`` holds a reference until the
+    # memory is freed), through any view of it: ``owner`` finds it again by the address.
     tensor = torch.frombuffer(holder, dtype=dtype, count=numel).view(tuple(sizes))
-    tensor._lazyckpt_buffer = holder  # type: ignore[attr-defined]
+    with _OWNERS_LOCK:
+        _OWNERS[tensor.untyped_storage().data_ptr()] = holder
     return tensor
 
 
@@ -67,9 +76,12 @@ def empty(sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def owner(tensor: object) -> object | None:
     """The object behind a tensor from :func:`empty` or :meth:`BufferPool.empty` (None for
-    small ones): it lives exactly as long as the tensor's memory, through any view of it, so a
-    ``weakref.finalize`` on it tells when that memory is given back."""
-    return getattr(tensor, "_lazyckpt_buffer", None)
+    small ones and for other tensors): it lives exactly as long as the tensor's memory, through
+    any view of it, so a ``weakref.finalize`` on it tells when that memory is given back."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        return None
+    with _OWNERS_LOCK:
+        return _OWNERS.get(tensor.untyped_storage().data_ptr())
 
 
 class BufferPool:

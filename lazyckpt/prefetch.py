@@ -153,7 +153,10 @@ def prefetched(
         with cond:
             state.stop = True
             cond.notify_all()
-        worker.join()
+        # The garbage collector can close a stream dropped in a reference cycle on any thread,
+        # the worker included (it allocates the most): it stops at its next check by itself.
+        if threading.current_thread() is not worker:
+            worker.join()
         # After the join: a build the worker was in stores its slot when it ends, and a slot
         # kept here would keep its tensor (and, through its finalizer, this state) for good.
         state.ready.clear()

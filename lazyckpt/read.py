@@ -121,8 +121,11 @@ class Reader:
         self.use_mmap = use_mmap
         self.stats = stats
         self._files: dict[Path, _OpenFile] = {}
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector may close a dropped stream's reader on a thread that
+        # is inside one of its locked sections (the prefetch worker allocates the most).
+        self._lock = threading.RLock()
         self._local = threading.local()
+        self._closed = False
 
     def __enter__(self) -> Reader:
         return self
@@ -131,7 +134,9 @@ class Reader:
         self.close()
 
     def close(self) -> None:
-        files, self._files = self._files, {}
+        with self._lock:  # a thread still building (a stream closed by the GC) opens no more
+            self._closed = True
+            files, self._files = self._files, {}
         for f in files.values():
             f.close()
         self._local = threading.local()  # the caller's bounce buffer (a worker's went with it)
@@ -140,14 +145,20 @@ class Reader:
         f = self._files.get(path)
         if f is None:
             with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{path}: read after the load was closed")
                 f = self._files.get(path)
                 if f is None:
                     try:
-                        f = self._files[path] = _OpenFile(path)
+                        f = _OpenFile(path)
                     except FileNotFoundError as exc:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"
                         ) from exc
+                    if self._closed:  # by the garbage collector, on this thread, meanwhile
+                        f.close()
+                        raise RuntimeError(f"{path}: read after the load was closed")
+                    self._files[path] = f
         return f
 
     def _mapping(self, f: _OpenFile) -> ctypes.Array[ctypes.c_char]:

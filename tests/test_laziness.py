@@ -36,7 +36,9 @@ def test_no_tensor_data_is_read_before_the_first_yield(tmp_path: Path, kind: str
     path = write_checkpoint(kind, old, tmp_path / "ckpt")
     write_checkpoint(kind, new, tmp_path / "other")
     stats = lazyckpt.LoadStats()
-    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats, layout=lazyckpt.Layout(tp_size=2, tp_rank=1))
+    opts = lazyckpt.ModelCheckpointLoadOptions(
+        stats=stats, layout=lazyckpt.Layout(tp_size=2, tp_rank=1)
+    )
     stream = lazyckpt.get_model_checkpoint_loader().lazy_load(path, {"a": 0}, opts)
     assert stats.total_bytes_read == 0
     # Same names, shapes and dtypes: only tensor bytes differ, so metadata offsets still hold.
@@ -145,9 +147,13 @@ def test_a_stream_left_early_leaves_no_file_open_and_no_tensor_alive(
     from lazyckpt import prefetch
 
     save_file({f"k{i}": torch.randn(512, 256) for i in range(24)}, tmp_path / "m.safetensors")
-    opts = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap, dtype=torch.float16, prefetch_bytes=4 << 20)
+    opts = lazyckpt.ModelCheckpointLoadOptions(
+        mmap=mmap, dtype=torch.float16, prefetch_bytes=4 << 20
+    )
     for _ in range(8):
-        stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+        stream = lazyckpt.get_model_checkpoint_loader().lazy_load(
+            tmp_path / "m.safetensors", {}, opts
+        )
         if how == "close":
             next(stream)
             stream.close()  # type: ignore[attr-defined]
@@ -217,8 +223,94 @@ def test_a_cast_holds_no_full_size_temporary(tmp_path: Path, source: str, mmap: 
         dcp.save({"pad": torch.ones(3, dtype=torch.uint8), **sd}, checkpoint_id=path, no_dist=True)
     out = subprocess.run(
         [sys.executable, "-c", _CAST_PEAK, str(path), "1" if mmap else "0"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     largest, growth = int(out[0]), int(out[1])
     assert largest == 16 << 20
     assert growth <= largest + (20 << 20), (growth >> 20, "MiB")
+
+
+def test_copied_tensors_pickle_and_deep_copy_like_any_tensor(tmp_path: Path) -> None:
+    # Buffers of 2 MiB and more are mappings of their own; what keeps them alive must not ride
+    # in the tensor's __dict__, which torch.save, pickle and deepcopy take along.
+    import copy
+    import io
+    import pickle
+
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(16, generator=g)}
+    save_file(full, tmp_path / "m.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.bfloat16)  # every tensor a copy
+    sd = dict(
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+    )
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    for again in (
+        torch.load(buf, weights_only=True),
+        pickle.loads(pickle.dumps(sd)),
+        copy.deepcopy(sd),
+    ):
+        assert all(same_bits(again[k], sd[k]) for k in full)
+
+    class WithBuffer(torch.nn.Module):  # load_into installs a meta buffer's new tensor as is
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.empty(1024, 1024))
+
+    with torch.device("meta"):
+        model = WithBuffer()
+    save_file({"w": full["w"]}, tmp_path / "w.safetensors")
+    lazyckpt.load_into(model, tmp_path / "w.safetensors")
+    assert torch.equal(copy.deepcopy(model).w, full["w"])
+
+
+def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cyclic collector then closes the stream on whatever thread allocates, often the
+    # prefetch worker itself: it may not join itself, and it may not reopen files into the
+    # reader that closing shut.
+    for f in range(8):
+        save_file(
+            {f"f{f}.w{i}": torch.randn(256, 256) for i in range(2)}, tmp_path / f"m{f}.safetensors"
+        )
+    opts = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float64)  # built on the worker
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    before = gc.get_threshold()
+    gc.set_threshold(50)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.me = self
+            self.stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}, opts)
+
+    try:
+        for _ in range(60):
+            holder = Holder()
+            next(holder.stream)
+            del holder
+        gc.collect()
+        from lazyckpt import unmap
+
+        unmap.wait()
+    finally:
+        gc.set_threshold(*before)
+    assert unraisable == [], unraisable
+    assert _open_under(tmp_path) == []
+
+
+def _open_under(folder: Path) -> list[str]:
+    """Files under ``folder`` this process holds open (Linux; empty elsewhere)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(str(folder)):
+                    out.append(target)
+    return out
