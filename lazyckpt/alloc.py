@@ -47,16 +47,16 @@ def _mapping(nbytes: int) -> mmap.mmap:
 _OWNERS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 """The holder of each live buffer, by the address of its memory. Not an attribute of the tensor:
 ``torch.save``, ``pickle`` and ``copy.deepcopy`` take a tensor's ``__dict__`` along, and a ctypes
-array or a mapping cannot be pickled. An entry goes when its holder does."""
-_OWNERS_LOCK = threading.Lock()
+array or a mapping cannot be pickled. An entry goes when its holder does. No lock: the garbage
+collector can close a dropped stream on a thread inside this module, and closing joins that
+stream's worker, which may be here too (a lock held across the collection deadlocked them)."""
 
 
 def _wrap(holder: object, sizes: Sequence[int], dtype: torch.dtype, numel: int) -> torch.Tensor:
     # The tensor's storage keeps ``holder`` alive (``frombuffer`` holds a reference until the
     # memory is freed), through any view of it: ``owner`` finds it again by the address.
     tensor = torch.frombuffer(holder, dtype=dtype, count=numel).view(tuple(sizes))
-    with _OWNERS_LOCK:
-        _OWNERS[tensor.untyped_storage().data_ptr()] = holder
+    _OWNERS[tensor.untyped_storage().data_ptr()] = holder
     return tensor
 
 
@@ -80,8 +80,7 @@ def owner(tensor: object) -> object | None:
     any view of it, so a ``weakref.finalize`` on it tells when that memory is given back."""
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         return None
-    with _OWNERS_LOCK:
-        return _OWNERS.get(tensor.untyped_storage().data_ptr())
+    return _OWNERS.get(tensor.untyped_storage().data_ptr())
 
 
 class BufferPool:
