@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lazyckpt import alloc, readahead, stitch, unmap
+from lazyckpt import alloc, cow, readahead, stitch, unmap
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
 from lazyckpt.plan import (
@@ -80,6 +80,9 @@ class _OpenFile:
             raise
         readahead.no_readahead(self.fd)
         self._map: ctypes.Array[ctypes.c_char] | None = None
+        self._bytes: memoryview | None = None
+        self.pages: cow.PrivatePages | None = None
+        """The views of the mapping still alive (see :mod:`lazyckpt.cow`)."""
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         """Flat tensors over the whole mapping, by dtype (see ``Reader._flat``)."""
 
@@ -89,7 +92,18 @@ class _OpenFile:
         reader and every view are done with it (:mod:`lazyckpt.unmap`)."""
         if self._map is None:
             self._map = unmap.lease(mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY))
+            self.pages = cow.PrivatePages(self._map)
         return self._map
+
+    def window(self, start: int, stop: int) -> memoryview:
+        """Bytes ``[start, stop)`` of the mapping, as a buffer of their own: tensors made from
+        it keep it (and the mapping) alive, and its pages are given back when it goes."""
+        if self._bytes is None:
+            self._bytes = memoryview(self.mapping())
+        view = self._bytes[start:stop]
+        assert self.pages is not None
+        self.pages.watch(view, start, stop)
+        return view
 
     def check_range(self, start: int, stop: int, key: str) -> None:
         # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
@@ -106,7 +120,7 @@ class _OpenFile:
         # memory the view still reads (a crash). Dropping our reference lets the last view
         # free it.
         self.flats.clear()
-        self._map = None
+        self._map = self._bytes = self.pages = None
         os.close(self.fd)
 
 
@@ -246,7 +260,9 @@ class Reader:
             return None  # not at an address torch may read as dtype (see copy)
         readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize)
         self._count(region.path, piece.numel * dtype.itemsize)
-        flat = torch.frombuffer(self._mapping(f), dtype=dtype, count=count, offset=first)
+        with self._lock:
+            window = f.window(first, first + count * dtype.itemsize)
+        flat = torch.frombuffer(window, dtype=dtype, count=count)
         return flat.as_strided(piece.sizes, region.strides)
 
     def stitch(

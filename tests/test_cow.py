@@ -1,0 +1,98 @@
+"""Writing into yielded views: private pages are given back when a view goes, never while a live
+tensor can see them (lazyckpt.cow). Oracle: the tensors as written, and what was written into
+the views that are kept."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import lazyckpt
+from lazyckpt.cow import private_pages
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTNEED: Linux")
+
+
+@given(
+    start=st.integers(0, 200),
+    length=st.integers(0, 200),
+    others=st.lists(st.tuples(st.integers(0, 250), st.integers(0, 60)), max_size=4),
+    page=st.sampled_from([4, 8, 16]),
+)
+def test_private_pages_are_whole_pages_no_live_view_touches(
+    start: int, length: int, others: list[tuple[int, int]], page: int
+) -> None:
+    stop = start + length
+    ranges = [(s, s + n) for s, n in others]
+    got = private_pages(start, stop, ranges, page)
+    dropped = {p for lo, hi in got for p in range(lo // page, hi // page)}
+    for lo, hi in got:
+        assert lo % page == 0 and hi % page == 0 and lo < hi
+    assert all(b[0] > a[1] for a, b in itertools.pairwise(got))  # apart, in order
+    # Brute force: a page may go when all of it lies in [start, stop) and no live byte is on it.
+    live = {b // page for s, e in ranges for b in range(s, e)}
+    want = {
+        p
+        for p in range(start // page, stop // page + 1)
+        if p * page >= start and (p + 1) * page <= stop and p not in live
+    }
+    assert dropped == want
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no RssAnon")
+
+
+@linux
+def test_in_place_writes_into_views_do_not_pile_up(tmp_path: Path) -> None:
+    # Each view is rescaled in place and dropped: the private pages go with it, not at the
+    # end of the load (before: the whole checkpoint's size).
+    g = torch.Generator().manual_seed(0)
+    full = {f"w{i:02d}": torch.randn(1024, 2048, generator=g) for i in range(12)}  # 8 MiB each
+    save_file(full, tmp_path / "m.safetensors")
+    halves = {k: v * 0.5 for k, v in full.items()}  # made before the baseline is taken
+    loader = lazyckpt.get_model_checkpoint_loader()
+    gc.collect()
+    base = peak = _rss_anon()
+    for key, t in loader.lazy_load(tmp_path / "m.safetensors", {}):
+        t.mul_(0.5)
+        assert torch.equal(t, halves[key])
+        del t
+        peak = max(peak, _rss_anon())
+    assert peak - base < 3 * (8 << 20), (peak - base) >> 20
+
+
+@linux
+def test_writes_a_live_view_can_see_are_kept(tmp_path: Path) -> None:
+    # Views over the same bytes (a tensor and a view of part of it, saved sharing storage) and
+    # neighbours that share pages at their seams: dropping one never undoes what was written
+    # into another that is still alive.
+    w = torch.randn(4096, 33)
+    sd = {"all": w, "tail": w[1000:], "a": torch.randn(777), "b": torch.randn(1234)}
+    sd.update({f"s{i}": torch.randn(300 + i) for i in range(20)})
+    torch.save(sd, tmp_path / "m.pt")
+    kept: dict[str, torch.Tensor] = {}
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.pt", {})
+    for i, (key, t) in enumerate(stream):
+        t.add_(100.0)  # written into: private pages made
+        if key == "all" or (key != "tail" and i % 2):
+            kept[key] = t
+        del t
+        gc.collect()
+    want = {k: v + 100.0 for k, v in sd.items() if k in kept}
+    want["all"][1000:] += 100.0  # "tail" was written too, through the same bytes, then dropped
+    assert "tail" not in kept and len(kept) > 10
+    for key, t in kept.items():
+        assert torch.equal(t, want[key]), key
