@@ -22,6 +22,7 @@ __all__ = [
     "contiguous_runs",
     "intersect",
     "mesh_box",
+    "middle_run",
     "page_ranges",
     "plan_pieces",
     "plan_stitch",
@@ -296,23 +297,47 @@ def span(sizes: Sequence[int], strides: Sequence[int]) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
 
 
+def _file_order(
+    sizes: Sequence[int], strides: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dims of a strided piece that place distinct bytes, largest stride first: the same
+    bytes, walked in file order (a transposed tensor's rows are its columns in the file).
+    Dims of size 1 or stride 0 (expanded) add no bytes and are dropped."""
+    dims = sorted(
+        ((st, n) for n, st in zip(sizes, strides) if n > 1 and st != 0), key=lambda d: -d[0]
+    )
+    return tuple(n for _, n in dims), tuple(st for st, _ in dims)
+
+
+_MAX_RANGES = 1 << 14
+"""More runs than this are asked for as their span: a Python loop and a system call per run
+would cost more than the bytes between them."""
+
+
 def page_ranges(
     first: int, sizes: Sequence[int], strides: Sequence[int], itemsize: int, page: int
 ) -> Iterator[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of whole pages of a file that hold every element of a
-    strided piece whose first element is at byte ``first``: what to ask the kernel to read.
+    strided piece whose first element is at byte ``first`` (strides non-negative): what to ask
+    the kernel to read.
 
     One range, the piece's span, where the piece fills at least half of it (a few pages more
-    than its bytes at most twice over); else the pages of each run, merged where they meet or
-    overlap, in run order: exactly the pages that hold an element (a TP-4 column slice of a
-    matrix of 16 KiB rows reads 2 of each row's 4 pages, not all 4)."""
+    than its bytes at most twice over), or where it has more than ``_MAX_RANGES`` runs; else
+    the pages of each run in file order, merged where they meet: exactly the pages that hold
+    an element (a TP-4 column slice of a matrix of 16 KiB rows reads 2 of each row's 4
+    pages, not all 4)."""
     if any(s == 0 for s in sizes):
         return
     count = span(sizes, strides) * itemsize
     start = first // page * page
     stop = -(-(first + count) // page) * page
+    sizes, strides = _file_order(sizes, strides)
     runs = contiguous_runs(sizes, strides, strides)
-    if runs.count == 1 or 2 * runs.count * runs.length * itemsize >= count:
+    if (
+        runs.count == 1
+        or runs.count > _MAX_RANGES
+        or 2 * runs.count * runs.length * itemsize >= count
+    ):
         yield start, stop
         return
     run_bytes = runs.length * itemsize
@@ -328,6 +353,24 @@ def page_ranges(
         current = (lo, hi)
     if current is not None:
         yield current
+
+
+def middle_run(
+    first: int, sizes: Sequence[int], strides: Sequence[int], itemsize: int
+) -> tuple[int, int]:
+    """Bytes ``[start, stop)`` of the run (in file order) that holds the piece's middle element:
+    bytes the piece holds, all of them (the middle of its span may lie in a gap, in another
+    rank's columns). Empty for an empty piece."""
+    if any(n == 0 for n in sizes):
+        return first, first
+    sizes, strides = _file_order(sizes, strides)
+    runs = contiguous_runs(sizes, strides, strides)
+    index = runs.count // 2
+    at = first
+    for n, st in zip(reversed(runs.outer_sizes), reversed(runs.src_strides)):
+        at += (index % n) * st * itemsize
+        index //= n
+    return at, at + runs.length * itemsize
 
 
 def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:

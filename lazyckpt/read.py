@@ -457,6 +457,8 @@ class Reader:
         if runs.count > 1 and run_bytes < _MIN_RUN_BYTES and count * itemsize <= 2 * needed:
             read = self._pread_slabs(f, region, dtype, piece, target, first, key)
         else:
+            if runs.count > 1:  # cold, many short reads would each wait for the disk in turn
+                readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
             # One memoryview over the destination's span; each run is a slice of it.
             dst_span = span(piece.sizes, tuple(target.stride())) * itemsize
             memory = _memory(target.data_ptr(), dst_span)

@@ -23,7 +23,7 @@ import contextlib
 import os
 from collections.abc import Sequence
 
-from lazyckpt.plan import page_ranges, span
+from lazyckpt.plan import middle_run, page_ranges, span
 
 __all__ = ["PAGE", "cached", "no_readahead", "read_ahead"]
 
@@ -69,12 +69,16 @@ def read_ahead(
     strides: Sequence[int],
     itemsize: int,
 ) -> None:
-    """Ask the kernel to read the pages of a strided piece (first element at byte ``first``) that
-    is about to be read through a mapping, unless they are cached (one probe, at the middle of
-    its span). The pages are those of :func:`lazyckpt.plan.page_ranges`: the span, or each run's
-    pages where the span is mostly gaps."""
-    count = span(sizes, strides) * itemsize
-    if count == 0 or not hasattr(os, "posix_fadvise") or cached(fd, first + count // 2):
+    """Ask the kernel to read the pages of a strided piece (first element at byte ``first``)
+    that is about to be read through a mapping, or by ``pread``s of its runs, unless they are
+    cached: the first, middle and last byte of its middle run are probed, pages the piece
+    holds (the middle of its span may be a gap another rank read, and a run's end pages may be
+    shared with a neighbour that was read). The pages are those of :func:`lazyckpt.plan.page_ranges`: the
+    span, or each run's pages where the span is mostly gaps."""
+    if span(sizes, strides) == 0 or not hasattr(os, "posix_fadvise"):
+        return
+    start, stop = middle_run(first, sizes, strides, itemsize)
+    if all(cached(fd, at) for at in (start, (start + stop) // 2, stop - 1)):
         return
     for start, stop in page_ranges(first, sizes, strides, itemsize, PAGE):
         stop = min(stop, file_size)

@@ -198,3 +198,46 @@ def test_a_cold_column_slice_reads_only_the_pages_of_its_columns(
     assert_layout_matches(got, full, {"w": 1}, layout)
     rows, row_bytes = full["w"].shape[0], full["w"].shape[1] * 4
     assert read <= rows * (-(-(row_bytes // 4) // PAGE) + 1) * PAGE + _SLACK, read
+
+
+@given(strided_pieces())
+def test_the_probed_run_is_bytes_the_piece_holds(
+    case: tuple[int, list[int], list[int], int, int],
+) -> None:
+    from lazyckpt.plan import middle_run
+
+    first, sizes, strides, itemsize, _page = case
+    start, stop = middle_run(first, sizes, strides, itemsize)
+    assert start < stop
+    assert set(range(start, stop)) <= _element_bytes(first, sizes, strides, itemsize)
+
+
+def test_page_ranges_walk_a_transposed_piece_in_file_order() -> None:
+    # M.t() saved: its dim-0 TP slice is a column block of M in the file, 1024 elements of each
+    # of 4096 rows; walked in the tensor's own order it was 4M one-element runs and 4M ranges.
+    ranges = list(page_ranges(0, [1024, 4096], [1, 4096], 2, 4096))
+    assert len(ranges) <= 4096
+    # Past _MAX_RANGES runs, the span: a bounded loop, whatever the piece.
+    last = ((1 << 20) - 1) * 128 + 2  # past the last element's bytes
+    assert list(page_ranges(0, [1 << 20], [64], 2, 4096)) == [(0, -(-last // 4096) * 4096)]
+
+
+def test_a_column_slice_next_to_a_cached_one_reads_its_own_pages(
+    tmp_path: Path, cold: None
+) -> None:
+    # TP-8 ranks of a matrix of 32 KiB rows, one after the other: rank 0's load caches pages in
+    # the middle of rank 1's span (its own columns), and a probe there took rank 1's pages for
+    # cached: read-around then read every uncached page of the matrix.
+    g = torch.Generator().manual_seed(4)
+    full = {"w": torch.randn(2048, 8192, generator=g)}  # 64 MiB
+    path = tmp_path / "model.safetensors"
+    save_file(full, path)
+    _cold_load([path], path, {"w": 1}, lazyckpt.Layout(tp_size=8, tp_rank=0))
+    loader = lazyckpt.get_model_checkpoint_loader()
+    options = lazyckpt.ModelCheckpointLoadOptions(layout=lazyckpt.Layout(tp_size=8, tp_rank=1))
+    before = _disk_reads()
+    got = {k: t.clone() for k, t in loader.lazy_load(path, {"w": 1}, options)}
+    read = _disk_reads() - before
+    assert_layout_matches(got, full, {"w": 1}, options.target_layout())
+    rows, slice_bytes = full["w"].shape[0], full["w"].shape[1] * 4 // 8
+    assert read <= rows * (slice_bytes // PAGE + 1) * PAGE + _SLACK, read
