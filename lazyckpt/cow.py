@@ -119,13 +119,15 @@ class PrivatePages:
             self._live[id(ref)] = (start, stop, ref)
 
     def _release(self, ref: weakref.ref[memoryview]) -> None:
+        # All under the lock: a view registered meanwhile (on another thread, where the
+        # collector freed this one) could be written into before the pages are dropped.
         with self._lock:
             start, stop, _ = self._live.pop(id(ref))
             others = [(s, e) for s, e, _ in self._live.values()]
-        assert _madvise is not None
-        pages = private_pages(start, stop, others, mmap.PAGESIZE)
-        if not pages or not _written(self.address, pages):
-            return  # nothing written: dropping clean pages costs the caller (and frees nothing)
-        for lo, hi in pages:
-            # The mapping is still there: self holds its lease.
-            _madvise(self.address + lo, hi - lo, _MADV_DONTNEED)
+            assert _madvise is not None
+            pages = private_pages(start, stop, others, mmap.PAGESIZE)
+            if not pages or not _written(self.address, pages):
+                return  # nothing written: dropping clean pages costs the caller, frees nothing
+            for lo, hi in pages:
+                # The mapping is still there: self holds its lease.
+                _madvise(self.address + lo, hi - lo, _MADV_DONTNEED)

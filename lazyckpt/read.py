@@ -36,14 +36,7 @@ import torch
 from lazyckpt import alloc, cow, readahead, stitch, unmap
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
-from lazyckpt.plan import (
-    Piece,
-    contiguous_runs,
-    element_offset,
-    is_dense,
-    plan_stitch,
-    span,
-)
+from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
 from lazyckpt.stats import LoadStats
 
 __all__ = ["DirectRead", "ReadQueue", "Reader"]
