@@ -5,10 +5,10 @@ file, for the whole load). Writing into it (``t.mul_(0.5)``, a quantizer working
 private copies of the pages it touches, and those belonged to the mapping, not to the view: they
 stayed until the load ended, so a stream that rescaled every tensor in place grew to the size of
 the checkpoint (401 MiB for 20 tensors of 20 MiB, holding one at a time). Each view's window is
-now watched, and when the last tensor on it is freed, the pages that lie wholly inside it and
-inside no other live view are dropped (``MADV_DONTNEED``): a later read of them reads the file
-again. Pages shared with a live view (tied keys, a view of part of another, the pages at the
-seams between neighbours) are kept, so no write a live tensor can see is lost.
+now watched, and when the last tensor on it is freed, its pages that no other live view touches
+are dropped (``MADV_DONTNEED``): a later read of them reads the file again. Pages shared with a
+live view (tied keys, a view of part of another, the pages at the seams between neighbours) are
+kept, so no write a live tensor can see is lost.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ _madvise = _load_madvise()
 def private_pages(
     start: int, stop: int, others: Iterable[tuple[int, int]], page: int
 ) -> list[tuple[int, int]]:
-    """The whole pages inside bytes ``[start, stop)`` that touch none of the ranges ``others``,
-    as merged ``[lo, hi)`` byte ranges in order: what may be dropped when a view of
-    ``[start, stop)`` goes while views of ``others`` live on."""
-    lo, hi = -(-start // page) * page, stop // page * page
-    if lo >= hi:
+    """The pages that hold a byte of ``[start, stop)`` and none of the ranges ``others``, as
+    ``[lo, hi)`` byte ranges in order: what may be dropped when a view of ``[start, stop)``
+    goes while views of ``others`` live on. The pages at its ends go too when no live view
+    touches them: kept, they would show a later view of the same bytes (a key saved as a slice
+    of another) what was written into this one, at its ends only."""
+    if stop <= start:
         return []
+    lo, hi = start // page * page, -(-stop // page) * page
     free = [(lo, hi)]
     for s, e in others:
         if e <= s:
@@ -69,8 +71,9 @@ def private_pages(
     return free
 
 
-_PAGEMAP: list[int] = []
-"""``/proc/self/pagemap``, opened once (an entry of 8 bytes per page of the address space)."""
+_PAGEMAP: dict[int, int] = {}
+"""``/proc/self/pagemap`` opened once per process, by pid (an entry of 8 bytes per page of the
+address space): a forked child inherits the descriptor, which still reads its parent's map."""
 _ANON = 1 << 63 | 1 << 61
 """Pagemap bits: present, and file page (clear for a private copy written into)."""
 
@@ -82,9 +85,10 @@ def _written(address: int, pages: list[tuple[int, int]]) -> bool:
     pages that were only read, which costs as much as unmapping them (68 ms for 2 GB of views
     here). Where the page map cannot be read, the answer is yes."""
     try:
-        if not _PAGEMAP:
-            _PAGEMAP.append(os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
-        fd = _PAGEMAP[0]
+        pid = os.getpid()
+        fd = _PAGEMAP.get(pid)
+        if fd is None:
+            fd = _PAGEMAP[pid] = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         lo, hi = pages[len(pages) // 2]
         at = address + lo + (hi - lo) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
         entry = int.from_bytes(os.pread(fd, 8, at // mmap.PAGESIZE * 8), "little")
