@@ -6,15 +6,16 @@ Devices set that window anywhere from 128 KiB to megabytes (8 MiB on the VM this
 on, a virtio disk), and a rank that reads 1/8 of each tensor then read 1.15-4x the bytes it
 needed from disk, cold: FSDP ``fsdp8-r0`` from Meta's MP-8 files 1,023 MB for its 253 MB,
 from Hugging Face safetensors through ``lazy_load`` 822 MB. With this module's advice those
-loads read 254-291 MB, and were no slower cold (see benchmarks/README.md); a warm load pays a
-probe per mapped piece.
+loads read 253-255 MB, and were no slower cold (see benchmarks/README.md, "Cold page cache");
+a warm load pays three probes per piece read through a mapping.
 
 * Every file lazyckpt opens to read is advised ``POSIX_FADV_RANDOM`` (:func:`no_readahead`):
   a ``pread`` then reads exactly its pages, and leaves no read-ahead mark behind it (a later
   read that reaches a marked page starts reading ahead whatever its own advice).
-* Before a piece is read through a mapping, its pages are asked for
-  (``POSIX_FADV_WILLNEED``) when they are not cached (:func:`read_ahead`): a fault on a page
-  being read waits for it instead of reading around it.
+* Before a piece is read through a mapping, or by many short ``pread``s, its pages are asked
+  for (``POSIX_FADV_WILLNEED``) when they are not cached (:func:`read_ahead`): a fault on a
+  page being read waits for it instead of reading around it, and the ``pread``s do not each
+  wait for the disk in turn.
 """
 
 from __future__ import annotations
