@@ -78,19 +78,17 @@ _ANON = 1 << 63 | 1 << 61
 """Pagemap bits: present, and file page (clear for a private copy written into)."""
 
 
-def _written(address: int, pages: list[tuple[int, int]]) -> bool:
-    """Whether the middle page of ``pages`` (offsets from ``address``) holds a private copy:
-    written into through a view (in-place ops write every page; a view written only in part
-    keeps its pages until the load ends). One 8-byte read of the page map instead of dropping
-    pages that were only read, which costs as much as unmapping them (68 ms for 2 GB of views
-    here). Where the page map cannot be read, the answer is yes."""
+def _written(at: int) -> bool:
+    """Whether the page at address ``at`` (one the view holds, in the middle of it) is a private
+    copy: written into through the view (in-place ops write every page; a view written only in
+    part keeps its pages until the load ends). One 8-byte read of the page map instead of
+    dropping pages that were only read, which costs as much as unmapping them (68 ms for 2 GB
+    of views here). Where the page map cannot be read, the answer is yes."""
     try:
         pid = os.getpid()
         fd = _PAGEMAP.get(pid)
         if fd is None:
             fd = _PAGEMAP[pid] = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        lo, hi = pages[len(pages) // 2]
-        at = address + lo + (hi - lo) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
         entry = int.from_bytes(os.pread(fd, 8, at // mmap.PAGESIZE * 8), "little")
     except (OSError, ValueError):
         return True
@@ -109,29 +107,49 @@ class PrivatePages:
     def __init__(self, lease: ctypes.Array[ctypes.c_char]) -> None:
         self._lease = lease
         self.address = ctypes.addressof(lease)
-        self._live: dict[int, tuple[int, int, weakref.ref[memoryview]]] = {}
+        self._live: dict[int, tuple[int, int, int, weakref.ref[memoryview]]] = {}
         # Reentrant: a callback may run (garbage collection) while this thread is inside.
         self._lock = threading.RLock()
 
-    def watch(self, window: memoryview, start: int, stop: int) -> None:
-        """Track ``window`` (bytes ``[start, stop)`` of the mapping): the tensors made from it
-        keep it alive, and its pages are dropped when it goes."""
+    def watch(self, window: memoryview, start: int, stop: int, probe: int) -> None:
+        """Track ``window`` (bytes ``[start, stop)`` of the mapping; ``probe``, a byte of its
+        middle that the view holds, not a gap between its rows): the tensors made from it keep
+        it alive, and its pages are dropped when it goes."""
         if _madvise is None:
             return
         ref = weakref.ref(window, self._release)  # cheaper than weakref.finalize, per view
         with self._lock:
-            self._live[id(ref)] = (start, stop, ref)
+            self._live[id(ref)] = (start, stop, probe, ref)
+            _ACTIVE.add(self)  # reachable while a view lives, though the reader has let go
 
     def _release(self, ref: weakref.ref[memoryview]) -> None:
         # All under the lock: a view registered meanwhile (on another thread, where the
         # collector freed this one) could be written into before the pages are dropped.
         with self._lock:
-            start, stop, _ = self._live.pop(id(ref))
-            others = [(s, e) for s, e, _ in self._live.values()]
+            start, stop, probe, _ = self._live.pop(id(ref))
+            others = [(s, e) for s, e, _, _ in self._live.values()]
+            if not self._live:
+                _ACTIVE.discard(self)
             assert _madvise is not None
             pages = private_pages(start, stop, others, mmap.PAGESIZE)
-            if not pages or not _written(self.address, pages):
+            if not pages or not _written(self.address + probe):
                 return  # nothing written: dropping clean pages costs the caller, frees nothing
             for lo, hi in pages:
                 # The mapping is still there: self holds its lease.
                 _madvise(self.address + lo, hi - lo, _MADV_DONTNEED)
+
+
+_ACTIVE: set[PrivatePages] = set()
+"""Every :class:`PrivatePages` with a live view. Without this, once the reader closed, the only
+references to one were its own (its views' callbacks): a collection freed it, and with it the
+callbacks, and no page was given back from then on."""
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread of the parent (dropping pages) would stay held here.
+    for pages in _ACTIVE:
+        pages._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -36,7 +36,15 @@ import torch
 from lazyckpt import alloc, cow, readahead, stitch, unmap
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
-from lazyckpt.plan import Piece, contiguous_runs, element_offset, is_dense, plan_stitch, span
+from lazyckpt.plan import (
+    Piece,
+    contiguous_runs,
+    element_offset,
+    is_dense,
+    middle_run,
+    plan_stitch,
+    span,
+)
 from lazyckpt.stats import LoadStats
 
 __all__ = ["DirectRead", "ReadQueue", "Reader"]
@@ -88,14 +96,15 @@ class _OpenFile:
             self.pages = cow.PrivatePages(self._map)
         return self._map
 
-    def window(self, start: int, stop: int) -> memoryview:
+    def window(self, start: int, stop: int, probe: int) -> memoryview:
         """Bytes ``[start, stop)`` of the mapping, as a buffer of their own: tensors made from
-        it keep it (and the mapping) alive, and its pages are given back when it goes."""
+        it keep it (and the mapping) alive, and its pages are given back when it goes (if the
+        page at byte ``probe``, one the view holds, was written)."""
         if self._bytes is None:
             self._bytes = memoryview(self.mapping())
         view = self._bytes[start:stop]
         assert self.pages is not None
-        self.pages.watch(view, start, stop)
+        self.pages.watch(view, start, stop, probe)
         return view
 
     def check_range(self, start: int, stop: int, key: str) -> None:
@@ -253,8 +262,9 @@ class Reader:
             return None  # not at an address torch may read as dtype (see copy)
         readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize)
         self._count(region.path, piece.numel * dtype.itemsize)
+        lo, hi = middle_run(first, piece.sizes, region.strides, dtype.itemsize)
         with self._lock:
-            window = f.window(first, first + count * dtype.itemsize)
+            window = f.window(first, first + count * dtype.itemsize, (lo + hi) // 2)
         flat = torch.frombuffer(window, dtype=dtype, count=count)
         return flat.as_strided(piece.sizes, region.strides)
 

@@ -151,3 +151,32 @@ def test_a_forked_child_reads_its_own_page_map(tmp_path: Path) -> None:
         check=True,
     )
     assert int(done.stdout.split()[-1]) < 3 * (8 << 20), done.stdout
+
+
+@linux
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_views_taken_whole_then_written_after_a_collection_give_pages_back(
+    tmp_path: Path, tp_rank: int | None
+) -> None:
+    # The stream is taken first (the reader closes), a collection runs, then each view is
+    # rescaled and dropped: the bookkeeping must outlive the reader. A TP column view holds one
+    # column block of each row: its written pages are found by a byte it holds, not the
+    # middle of its span (another rank's columns).
+    full = {f"w{i:02d}": torch.full((1024, 4096), float(i)) for i in range(12)}  # 16 MiB
+    save_file(full, tmp_path / "m.safetensors")
+    layout = lazyckpt.Layout() if tp_rank is None else lazyckpt.Layout(tp_size=4, tp_rank=tp_rank)
+    dims = {} if tp_rank is None else {k: 1 for k in full}
+    options = lazyckpt.ModelCheckpointLoadOptions(layout=layout)
+    views = dict(
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", dims, options)
+    )
+    gc.collect()
+    one = views["w00"].numel() * 4
+    base = peak = _rss_anon()
+    for key in sorted(views):
+        t = views.pop(key)
+        t.mul_(0.5)
+        assert t[0, 0].item() == int(key[1:]) * 0.5
+        del t
+        peak = max(peak, _rss_anon())
+    assert peak - base < 3 * one + (4 << 20), (peak - base) >> 20
