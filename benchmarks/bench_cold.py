@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -75,25 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     root = args.dir if args.dir is not None else Path(tempfile.mkdtemp(prefix="lazyckpt-cold-"))
-    root.mkdir(parents=True, exist_ok=True)
-    stamp = root / f"ckpt-{cfg.dim}-{cfg.n_layers}.json"
-    if args.keep and stamp.exists():
-        saved = json.loads(stamp.read_text())
-        paths, expected, nbytes = saved["paths"], saved["expected"], saved["nbytes"]
-        print(f"reusing the checkpoints in {root}", flush=True)
-    else:
-        for sub in ("fairscale-mp8", "hf-safetensors", "dcp"):
-            _ckpt.remove(root / sub)
-        print(f"writing a {cfg} checkpoint to {root} ...", flush=True)
-        paths, expected, nbytes = _ckpt.write_all(cfg, root)
-        stamp.write_text(json.dumps({"paths": paths, "expected": expected, "nbytes": nbytes}))
-
-    here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
-    )
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["_runner"])
+    paths, expected, nbytes = bench_load.checkpoints(root, cfg, args.keep)
+    ctx = bench_load.fork_server()
     t0 = time.perf_counter()
     try:
         for rep in range(repeats):
@@ -111,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {rep + 1}/{repeats} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
         if not args.keep:
-            for sub in ("fairscale-mp8", "hf-safetensors", "dcp"):
-                _ckpt.remove(root / sub)
-            stamp.unlink(missing_ok=True)
-            if args.dir is None:
-                _ckpt.remove(root)
+            bench_load.remove_checkpoints(root, cfg, own_root=args.dir is None)
 
     failed = False
     lines = [

@@ -309,6 +309,48 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SOURCES = ("fairscale-mp8", "hf-safetensors", "dcp")
+
+
+def checkpoints(root: Path, cfg: Any, keep: bool) -> tuple[dict[str, str], Any, int]:
+    """``(paths, expected checksums, bytes)`` of the three checkpoints under ``root``: written
+    now, or reused when ``keep`` and an earlier run left them (the stamp says which config)."""
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = root / f"ckpt-{cfg.dim}-{cfg.n_layers}.json"
+    if keep and stamp.exists():
+        saved = json.loads(stamp.read_text())
+        print(f"reusing the checkpoints in {root}", flush=True)
+        return saved["paths"], saved["expected"], saved["nbytes"]
+    for sub in _SOURCES:
+        _ckpt.remove(root / sub)
+    print(f"writing a {cfg} checkpoint to {root} ...", flush=True)
+    paths, expected, nbytes = _ckpt.write_all(cfg, root)
+    stamp.write_text(json.dumps({"paths": paths, "expected": expected, "nbytes": nbytes}))
+    return paths, expected, nbytes
+
+
+def remove_checkpoints(root: Path, cfg: Any, own_root: bool) -> None:
+    """Remove what :func:`checkpoints` wrote (and ``root`` itself when the run made it)."""
+    for sub in _SOURCES:
+        _ckpt.remove(root / sub)
+    (root / f"ckpt-{cfg.dim}-{cfg.n_layers}.json").unlink(missing_ok=True)
+    if own_root:
+        _ckpt.remove(root)
+
+
+def fork_server() -> Any:
+    """Fresh processes without paying torch's import each time: a fork server that has
+    imported torch, safetensors and lazyckpt (and started no thread) forks one child per
+    measurement."""
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
+    )
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["_runner"])
+    return ctx
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
@@ -338,19 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     root = args.dir if args.dir is not None else Path(tempfile.mkdtemp(prefix="lazyckpt-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    stamp = root / f"ckpt-{cfg.dim}-{cfg.n_layers}.json"
     t0 = time.perf_counter()
-    if args.keep and stamp.exists():
-        saved = json.loads(stamp.read_text())
-        paths, expected, nbytes = saved["paths"], saved["expected"], saved["nbytes"]
-        print(f"reusing the checkpoints in {root}", flush=True)
-    else:
-        for sub in ("fairscale-mp8", "hf-safetensors", "dcp"):
-            _ckpt.remove(root / sub)
-        print(f"writing a {cfg} checkpoint to {root} ...", flush=True)
-        paths, expected, nbytes = _ckpt.write_all(cfg, root)
-        stamp.write_text(json.dumps({"paths": paths, "expected": expected, "nbytes": nbytes}))
+    paths, expected, nbytes = checkpoints(root, cfg, args.keep)
     _ckpt.warm([Path(p) for p in paths.values()])
     cached = _ckpt.cached_fraction([Path(p) for p in paths.values()])
     print(
@@ -360,14 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    # Fresh processes without paying torch's import each time: a fork server that has imported
-    # torch, safetensors and lazyckpt (and started no thread) forks one child per measurement.
-    here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH", "")) if p
-    )
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["_runner"])
+    ctx = fork_server()
     specs = []
     for r in rows:
         sc = next(s for s in SCENARIOS if s.name == r["scenario"])
@@ -405,11 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity.append(cpu_capacity(ctx))
     finally:
         if not args.keep:
-            for sub in ("fairscale-mp8", "hf-safetensors", "dcp"):
-                _ckpt.remove(root / sub)
-            stamp.unlink(missing_ok=True)
-            if args.dir is None:
-                _ckpt.remove(root)
+            remove_checkpoints(root, cfg, own_root=args.dir is None)
 
     meta: dict[str, Any] = {"cfg_obj": cfg, "expected": expected, "checkpoint_bytes": nbytes}
     summarize(rows, meta)
