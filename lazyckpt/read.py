@@ -260,9 +260,12 @@ class Reader:
         f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
         if first % dtype.itemsize:
             return None  # not at an address torch may read as dtype (see copy)
-        readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize)
-        self._count(region.path, piece.numel * dtype.itemsize)
+        # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, piece.sizes, region.strides, dtype.itemsize)
+        readahead.read_ahead(
+            f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize, middle=(lo, hi)
+        )
+        self._count(region.path, piece.numel * dtype.itemsize)
         with self._lock:
             window = f.window(first, first + count * dtype.itemsize, (lo + hi) // 2)
         flat = torch.frombuffer(window, dtype=dtype, count=count)

@@ -69,16 +69,19 @@ def read_ahead(
     sizes: Sequence[int],
     strides: Sequence[int],
     itemsize: int,
+    *,
+    middle: tuple[int, int] | None = None,
 ) -> None:
     """Ask the kernel to read the pages of a strided piece (first element at byte ``first``)
     that is about to be read through a mapping, or by ``pread``s of its runs, unless they are
-    cached: the first, middle and last byte of its middle run are probed, pages the piece
-    holds (the middle of its span may be a gap another rank read, and a run's end pages may be
-    shared with a neighbour that was read). The pages are those of :func:`lazyckpt.plan.page_ranges`: the
+    cached: the first, middle and last byte of its middle run (``middle``, when the caller has
+    it from :func:`lazyckpt.plan.middle_run`) are probed, pages the piece holds (the middle of
+    its span may be a gap another rank read, and a run's end pages may be shared with a
+    neighbour that was read). The pages are those of :func:`lazyckpt.plan.page_ranges`: the
     span, or each run's pages where the span is mostly gaps."""
     if span(sizes, strides) == 0 or not hasattr(os, "posix_fadvise"):
         return
-    start, stop = middle_run(first, sizes, strides, itemsize)
+    start, stop = middle if middle is not None else middle_run(first, sizes, strides, itemsize)
     if all(cached(fd, at) for at in (start, (start + stop) // 2, stop - 1)):
         return
     for start, stop in page_ranges(first, sizes, strides, itemsize, PAGE):
