@@ -7,6 +7,7 @@ key when they turn them into checkpoint errors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -361,16 +362,24 @@ def middle_run(
     """Bytes ``[start, stop)`` of the run (in file order) that holds the piece's middle element:
     bytes the piece holds, all of them (the middle of its span may lie in a gap, in another
     rank's columns). Empty for an empty piece."""
+    start, length = _middle_run(tuple(sizes), tuple(strides), itemsize)
+    return first + start, first + start + length
+
+
+@functools.lru_cache(maxsize=1024)
+def _middle_run(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """:func:`middle_run` from the piece's first byte: ``(offset, length)`` in bytes. Cached, as
+    a model's layers repeat the same pieces (a load probes each piece it maps)."""
     if any(n == 0 for n in sizes):
-        return first, first
+        return 0, 0
     sizes, strides = _file_order(sizes, strides)
     runs = contiguous_runs(sizes, strides, strides)
     index = runs.count // 2
-    at = first
+    at = 0
     for n, st in zip(reversed(runs.outer_sizes), reversed(runs.src_strides)):
         at += (index % n) * st * itemsize
         index //= n
-    return at, at + runs.length * itemsize
+    return at, runs.length * itemsize
 
 
 def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:
@@ -379,6 +388,12 @@ def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:
 
 def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     """True when a strided view covers one contiguous row-major range of its storage."""
+    return _is_dense(tuple(sizes), tuple(strides))
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    # Cached: asked of every piece read or compared (an MP-8 load compares 136 norm copies).
     return contiguous_runs(sizes, strides, strides).outer_sizes == () or any(s == 0 for s in sizes)
 
 
