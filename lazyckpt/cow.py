@@ -127,14 +127,13 @@ class PrivatePages:
         # collector freed this one) could be written into before the pages are dropped.
         with self._lock:
             start, stop, probe, _ = self._live.pop(id(ref))
-            others = [(s, e) for s, e, _, _ in self._live.values()]
             if not self._live:
                 _ACTIVE.discard(self)
             assert _madvise is not None
-            pages = private_pages(start, stop, others, mmap.PAGESIZE)
-            if not pages or not _written(self.address + probe):
+            if not _written(self.address + probe):
                 return  # nothing written: dropping clean pages costs the caller, frees nothing
-            for lo, hi in pages:
+            others = [(s, e) for s, e, _, _ in self._live.values()]
+            for lo, hi in private_pages(start, stop, others, mmap.PAGESIZE):
                 # The mapping is still there: self holds its lease.
                 _madvise(self.address + lo, hi - lo, _MADV_DONTNEED)
 
