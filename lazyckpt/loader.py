@@ -229,8 +229,9 @@ def _stream(
         # them into a closed reader, and they stay open).
         with contextlib.closing(items):
             for plan, tensor, viewed in items:
-                stats.add_delivered(plan.nbytes, view=viewed)
-                bar.update(plan.nbytes)
+                nbytes = plan.nbytes
+                stats.add_delivered(nbytes, view=viewed)
+                bar.update(nbytes)
                 out = deliverer.deliver(plan, tensor)
                 del tensor
                 yield plan.key, out

@@ -252,7 +252,8 @@ class Reader:
         The view has the strides the file gives (a column slice of a row-major matrix is a
         strided view, as ``torch.chunk`` would give); ``strided=False`` asks for dense views only.
         """
-        if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or piece.numel == 0:
+        numel = piece.numel
+        if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or numel == 0:
             return None
         region = self._region(chunk)
         if not strided and not is_dense(piece.sizes, region.strides):
@@ -265,7 +266,7 @@ class Reader:
         readahead.read_ahead(
             f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize, middle=(lo, hi)
         )
-        self._count(region.path, piece.numel * dtype.itemsize)
+        self._count(region.path, numel * dtype.itemsize)
         with self._lock:
             window = f.window(first, first + count * dtype.itemsize, (lo + hi) // 2)
         flat = torch.frombuffer(window, dtype=dtype, count=count)
