@@ -351,6 +351,11 @@ def fork_server() -> Any:
     return ctx
 
 
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage, or "unknown" for the -1 of what could not be measured."""
+    return "unknown" if fraction < 0 else f"{fraction * 100:.0f}%"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
@@ -390,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"checkpoint: {nbytes / GB:.3f} GB of tensors, {len(rows)} rows x {repeats} runs; "
         f"written/read in {time.perf_counter() - t0:.0f} s, page cache holds "
-        f"{cached * 100:.0f}% of the files, {pmd['settled'] * 100:.0f}% of it mappable by PMD "
-        f"(was {pmd['found'] * 100:.0f}%)",
+        f"{cached * 100:.0f}% of the files, {_percent(pmd['settled'])} of it mappable by PMD "
+        f"(was {_percent(pmd['found'])})",
         flush=True,
     )
 
@@ -457,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         if x.get("cached_before_warm", -1) >= 0
     ]
     print(
-        f"page cache mappable by PMD: {pmd['settled'] * 100:.0f}% at the start, "
-        f"{pmd.get('end', -1) * 100:.0f}% at the end (see benchmarks/README.md, Method)"
+        f"page cache mappable by PMD: {_percent(pmd['settled'])} at the start, "
+        f"{_percent(pmd.get('end', -1.0))} at the end (see benchmarks/README.md, Method)"
     )
     if before:
         print(
