@@ -132,38 +132,40 @@ def plan_entry(
     ``box`` overrides the layout's box (``load_into`` takes each DTensor's own box). Layers of
     a model repeat the same shapes and replicas repeat one geometry, so tilings and pieces are
     computed once per distinct geometry (pure functions, cached)."""
-
-    def fail(message: str) -> CorruptModelCheckpointError:
-        path = where() if callable(where) else where
-        return CorruptModelCheckpointError(
-            path, f"key {entry.display_key}: {message}", key=entry.checkpoint_key
-        )
-
-    if any(s > _MAX_DIM for s in entry.shape):
-        raise fail(f"shape {entry.shape} has a dim past 2**63")
+    shape = entry.shape
+    if shape and max(shape) > _MAX_DIM:
+        raise _fail(entry, where, f"shape {shape} has a dim past 2**63")
     dim = shard_dims.get(entry.key)
     if dim is not None:
         try:
-            dim = normalize_dim(dim, len(entry.shape))
+            dim = normalize_dim(dim, len(shape))
         except PlanError:
             raise ValueError(
-                f"shard_dims[{entry.key!r}] = {dim} is out of range for its {len(entry.shape)}-D "
-                f"tensor of shape {entry.shape}; fix the shard dims"
+                f"shard_dims[{entry.key!r}] = {dim} is out of range for its {len(shape)}-D "
+                f"tensor of shape {shape}; fix the shard dims"
             ) from None
-    geometries = [tuple((c.offsets, c.sizes) for c in copy) for copy in entry.copies]
-    for geometry in dict.fromkeys(geometries):
-        error = _tiling_error(entry.shape, geometry)
+    # List comprehensions, not generators: this runs for every key of a load.
+    geometries = [tuple([(c.offsets, c.sizes) for c in copy]) for copy in entry.copies]
+    for geometry in geometries if len(geometries) == 1 else dict.fromkeys(geometries):
+        error = _tiling_error(shape, geometry)
         if error is not None:
-            raise fail(error)
+            raise _fail(entry, where, error)
     if box is None:
-        box = target_box(
-            entry.shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank
-        )
-    elif len(box.sizes) != len(entry.shape) or any(
-        o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, entry.shape)
+        box = target_box(shape, dim, layout.tp_size, layout.tp_rank, layout.dp_size, layout.dp_rank)
+    elif len(box.sizes) != len(shape) or any(
+        o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, shape)
     ):
-        raise ValueError(f"key {entry.display_key}: box {box} lies outside shape {entry.shape}")
+        raise ValueError(f"key {entry.display_key}: box {box} lies outside shape {shape}")
     return dim, box, [_pieces(box, geometry) for geometry in geometries]
+
+
+def _fail(
+    entry: TensorEntry, where: Path | Callable[[], Path], message: str
+) -> CorruptModelCheckpointError:
+    path = where() if callable(where) else where
+    return CorruptModelCheckpointError(
+        path, f"key {entry.display_key}: {message}", key=entry.checkpoint_key
+    )
 
 
 def plan_load(
@@ -183,14 +185,17 @@ def plan_load(
     box of their own instead of the layout's.
     """
     planned = []
-    used: set[Path] = set()
     for entry in index:
         own = None if boxes is None else boxes.get(entry.key)
         where = functools.partial(entry_path, index.path, entry)
         dim, box, pieces = plan_entry(entry, shard_dims, layout, where, own)
         planned.append((entry, dim, box, pieces))
-        if len(entry.copies) == 1:
-            used |= _files(entry.copies[0], pieces[0])
+    # The files read anyway: asked only where some key has copies to choose from.
+    used: set[Path] = set()
+    if any(len(entry.copies) > 1 for entry, *_ in planned):
+        for entry, _, _, pieces in planned:
+            if len(entry.copies) == 1:
+                used |= _files(entry.copies[0], pieces[0])
 
     plans = []
     for entry, dim, box, pieces in planned:

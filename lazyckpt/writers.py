@@ -278,7 +278,10 @@ class _TensorStub:
 
     def __init__(self, storage: _StorageStub, shape: tuple[int, ...]) -> None:
         self.storage = storage
-        self.shape = shape
+        # A tuple of its own: pickle writes a tuple it has seen as a reference to it, and the
+        # planner hands out one shape object to every key of that shape (its boxes are cached),
+        # where torch.save's tensors each have their own.
+        self.shape = (*shape,)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         args: tuple[Any, ...] = (

@@ -8,6 +8,7 @@ checks: offsets in bounds, tensors packed with no hole or overlap, byte spans ma
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -79,6 +80,15 @@ class _DuplicateKey(Exception):
 
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sizes_ok(values: list[Any], limit: int | None) -> bool:
+    """Every value a non-negative integer (not a bool), at most ``limit``. A loop, not
+    ``all()`` of a generator: it runs for every key of every header."""
+    for v in values:  # noqa: SIM110 (all() of a generator is the slower form)
+        if not _int(v) or v < 0 or (limit is not None and v > limit):
+            return False
+    return True
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
@@ -200,14 +210,10 @@ def _parse_entry(
     if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
         raise bad(f"unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
     shape = info.get("shape")
-    if not isinstance(shape, list) or not all(_int(s) and 0 <= s <= MAX_DIM for s in shape):
+    if not isinstance(shape, list) or not _sizes_ok(shape, MAX_DIM):
         raise bad(f"shape {shape!r} is not a list of integers in [0, 2**63)")
     offsets = info.get("data_offsets")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_int(o) and o >= 0 for o in offsets)
-    ):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not _sizes_ok(offsets, None):
         raise bad(f"data_offsets {offsets!r} is not a pair of non-negative integers")
     begin, end = offsets
     if end < begin:
@@ -217,9 +223,7 @@ def _parse_entry(
             f"data_offsets [{begin}, {end}] run past the {data_len} data bytes; the file is truncated"
         )
     dtype = _DTYPES[dtype_name]
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     if numel * dtype.itemsize != end - begin:
         raise bad(
             f"shape {shape} of {dtype_name} needs {numel * dtype.itemsize} bytes but data_offsets "
