@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -301,9 +302,12 @@ def contiguous_runs(
 def span(sizes: Sequence[int], strides: Sequence[int]) -> int:
     """Number of elements from the first to the last one of a strided view, inclusive
     (0 for an empty view). Strides must be non-negative."""
-    if any(s == 0 for s in sizes):
+    if 0 in sizes:
         return 0
-    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+    n = 1
+    for s, st in zip(sizes, strides):  # a loop: no generator frame (called for every piece)
+        n += (s - 1) * st
+    return n
 
 
 def _file_order(
@@ -391,7 +395,7 @@ def _middle_run(sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int)
 
 
 def element_offset(index: Sequence[int], strides: Sequence[int]) -> int:
-    return sum(i * s for i, s in zip(index, strides))
+    return sum(map(operator.mul, index, strides))
 
 
 def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
