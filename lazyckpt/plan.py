@@ -73,8 +73,9 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
+@functools.lru_cache(maxsize=4096)
 def target_box(
-    shape: Sequence[int],
+    shape: tuple[int, ...],
     shard_dim: int | None,
     tp_size: int,
     tp_rank: int,
@@ -85,20 +86,8 @@ def target_box(
     receives"): TP chunk on ``shard_dim``, then FSDP chunk of that on dim 0.
 
     A 0-d tensor cannot be chunked, so every rank receives it whole (FSDP2 replicates scalars).
-    Cached: a model's layers ask it for the same shapes.
+    Cached (``shape`` is a tuple): a model's layers ask it for the same shapes.
     """
-    return _target_box(tuple(shape), shard_dim, tp_size, tp_rank, dp_size, dp_rank)
-
-
-@functools.lru_cache(maxsize=4096)
-def _target_box(
-    shape: tuple[int, ...],
-    shard_dim: int | None,
-    tp_size: int,
-    tp_rank: int,
-    dp_size: int,
-    dp_rank: int,
-) -> Box:
     offsets = [0] * len(shape)
     sizes = list(shape)
     if shard_dim is not None and tp_size > 1:
