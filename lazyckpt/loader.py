@@ -180,28 +180,42 @@ def _stream(
     total = sum(p.nbytes for p in plans)
     bar = byte_bar(total, "loading", enabled=options.progress)
     stats.start()
-
-    def out_dtype(plan: TensorPlan) -> torch.dtype:
-        return output_dtype(plan.entry.dtype, options.dtype)
-
-    def out_bytes(plan: TensorPlan) -> int:
-        """Memory the delivered tensor takes (a cast to a wider dtype takes more)."""
-        return plan.box.numel * out_dtype(plan).itemsize
+    dtypes = [output_dtype(p.entry.dtype, options.dtype) for p in plans]
+    # Memory each delivered tensor takes (a cast to a wider dtype takes more).
+    sizes = [p.box.numel * dtype.itemsize for p, dtype in zip(plans, dtypes)]
+    # Views of the mapped files are built by the caller when their turn comes (no memory); a
+    # stitched view the files' offsets do not allow is copied there instead. A view of one
+    # piece is asked of the reader straight away: a stream of views spends its time per key.
+    same = [
+        options.mmap and device.type == "cpu" and dtype == p.entry.dtype
+        for p, dtype in zip(plans, dtypes)
+    ]
+    views = [ok and p.may_be_view and not options.contiguous for p, ok in zip(plans, same)]
+    inline = [view or (ok and p.may_stitch) for p, ok, view in zip(plans, same, views)]
 
     # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
     # bound as the prefetcher's memory: the largest tensor plus the budget.
-    largest = max((out_bytes(p) for p in plans), default=0)
+    largest = max(sizes, default=0)
     with (
         Reader(use_mmap=options.mmap, stats=stats) as reader,
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
     ):
 
-        def build(plan: TensorPlan) -> tuple[TensorPlan, torch.Tensor, bool]:
+        def build(i: int) -> tuple[TensorPlan, torch.Tensor, bool]:
+            plan = plans[i]
+            if views[i]:
+                piece = plan.pieces[0]
+                entry = plan.entry
+                view = reader.view(
+                    entry.copies[plan.copy][piece.chunk], entry.dtype, piece, entry.checkpoint_key
+                )
+                if view is not None:
+                    return plan, view, True
             tensor, is_view = build_tensor(
                 plan,
                 reader,
-                out_dtype(plan),
+                dtypes[i],
                 device=device,
                 pool=pool,
                 contiguous=options.contiguous,
@@ -209,18 +223,11 @@ def _stream(
             )
             return plan, tensor, is_view
 
-        def yields_view(plan: TensorPlan) -> bool:
-            """Whether the caller may get a view of mapped files (built inline, no memory; a
-            stitched view the files' offsets do not allow is copied inline instead)."""
-            if not (options.mmap and device.type == "cpu" and out_dtype(plan) == plan.entry.dtype):
-                return False
-            return (plan.may_be_view and not options.contiguous) or plan.may_stitch
-
         items = prefetched(
-            plans,
+            range(len(plans)),
             build,
-            nbytes=out_bytes,
-            inline=yields_view,
+            nbytes=sizes.__getitem__,
+            inline=inline.__getitem__,
             budget=options.prefetch_bytes,
             watch=lambda built: alloc.owner(built[1]),
         )

@@ -25,6 +25,7 @@ import _thread
 import collections
 import ctypes
 import functools
+import math
 import mmap
 import os
 import threading
@@ -252,25 +253,26 @@ class Reader:
         The view has the strides the file gives (a column slice of a row-major matrix is a
         strided view, as ``torch.chunk`` would give); ``strided=False`` asks for dense views only.
         """
-        numel = piece.numel
-        if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or numel == 0:
+        sizes = piece.sizes
+        if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or 0 in sizes:
             return None
         region = self._region(chunk)
-        if not strided and not is_dense(piece.sizes, region.strides):
+        strides = region.strides
+        if not strided and not is_dense(sizes, strides):
             return None
-        f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        if first % dtype.itemsize:
+        f, first, count = self._locate(region, dtype, piece.src_offsets, sizes, key)
+        itemsize = dtype.itemsize
+        if first % itemsize:
             return None  # not at an address torch may read as dtype (see copy)
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
-        lo, hi = middle_run(first, piece.sizes, region.strides, dtype.itemsize)
-        readahead.read_ahead(
-            f.fd, f.size, first, piece.sizes, region.strides, dtype.itemsize, middle=(lo, hi)
-        )
-        self._count(region.path, numel * dtype.itemsize)
-        with self._lock:
-            window = f.window(first, first + count * dtype.itemsize, (lo + hi) // 2)
-        flat = torch.frombuffer(window, dtype=dtype, count=count)
-        return flat.as_strided(piece.sizes, region.strides)
+        lo, hi = middle_run(first, sizes, strides, itemsize)
+        readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
+        self._count(region.path, math.prod(sizes) * itemsize)
+        if f.pages is None:  # not mapped yet: mapped once, whichever thread asks first
+            with self._lock:
+                f.mapping()
+        window = f.window(first, first + count * itemsize, (lo + hi) // 2)
+        return torch.frombuffer(window, dtype=dtype).as_strided(sizes, strides)
 
     def stitch(
         self,

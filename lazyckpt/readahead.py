@@ -60,20 +60,30 @@ def read_ahead(
     """Ask the kernel to read the pages of a strided piece (first element at byte ``first``)
     that is about to be read through a mapping, or by ``pread``s of its runs, unless they are
     cached: the first, middle and last byte of its middle run (``middle``, when the caller has
-    it from :func:`lazyckpt.plan.middle_run`) are probed, pages the piece holds (the middle of
-    its span may be a gap another rank read, and a run's end pages may be shared with a
-    neighbour that was read). The pages are those of :func:`lazyckpt.plan.page_ranges`: the
-    span, or each run's pages where the span is mostly gaps.
+    it from :func:`lazyckpt.plan.middle_run`) are probed, each page once, pages the piece holds
+    (the middle of its span may be a gap another rank read, and a run's end pages may be shared
+    with a neighbour that was read: either may be cached while the rest is not). The pages are
+    those of :func:`lazyckpt.plan.page_ranges`: the span, or each run's pages where the span is
+    mostly gaps.
 
     A probe is a 1-byte ``preadv`` that may not wait for the device (``RWF_NOWAIT``): it fails
     where the page is not cached (and starts reading that one page). Where that cannot be asked,
     nothing is advised: the kernel's own read-ahead is left alone. The probes are inline, not a
-    function called three times: a warm load pays them for every piece (4 against 6 us)."""
+    function called three times: a warm load pays them for every piece, and a syscall between
+    the consumer's kernels costs 4-7 us there."""
     start, stop = middle if middle is not None else middle_run(first, sizes, strides, itemsize)
     if stop <= start or not _ADVISE or not _NOWAIT:  # empty, or nothing to ask or advise
         return
-    try:
-        for at in (start, (start + stop) // 2, stop - 1):
+    last = stop - 1
+    pages = last // PAGE - start // PAGE
+    try:  # each page once: a run within a page (a norm's weight) is one probe
+        for at in (
+            (start,)
+            if pages == 0
+            else (start, last)
+            if pages == 1
+            else (start, (start + stop) // 2, last)
+        ):
             os.preadv(fd, _PROBES, at, _NOWAIT)
         return
     except BlockingIOError:
