@@ -24,7 +24,7 @@ from lazyckpt.index import CheckpointIndex
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.prefetch import prefetched
-from lazyckpt.read import Reader
+from lazyckpt.read import Reader, ViewSpot
 from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["IndexedCheckpointLoader", "KeyRules", "ModelCheckpointLoader", "check_path"]
@@ -171,6 +171,12 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         return _stream(plans, options, deliverer)
 
 
+_AHEAD_KEYS = 32
+_AHEAD_BYTES = 64 << 20
+"""How far ahead ``lazy_load`` finds the views it will hand out: a cold load asks the kernel
+for up to this many bytes of pages at once."""
+
+
 def _stream(
     plans: list[TensorPlan], options: ModelCheckpointLoadOptions, deliverer: Deliverer
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,17 +207,37 @@ def _stream(
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
     ):
+        found: dict[int, ViewSpot | Exception | None] = {}
+
+        def find_ahead(i: int) -> None:
+            """Find the views of keys ``i`` on (see ``Reader.find_view``), within
+            ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES``. An error is raised at its key's turn."""
+            nbytes = 0
+            for j in range(i, min(len(plans), i + _AHEAD_KEYS)):
+                if not views[j]:
+                    continue
+                plan = plans[j]
+                piece, entry = plan.pieces[0], plan.entry
+                chunk = entry.copies[plan.copy][piece.chunk]
+                try:
+                    found[j] = reader.find_view(chunk, entry.dtype, piece, entry.checkpoint_key)
+                except Exception as exc:
+                    found[j] = exc
+                    return
+                nbytes += sizes[j]
+                if nbytes >= _AHEAD_BYTES:
+                    return
 
         def build(i: int) -> tuple[TensorPlan, torch.Tensor, bool]:
             plan = plans[i]
             if views[i]:
-                piece = plan.pieces[0]
-                entry = plan.entry
-                view = reader.view(
-                    entry.copies[plan.copy][piece.chunk], entry.dtype, piece, entry.checkpoint_key
-                )
-                if view is not None:
-                    return plan, view, True
+                if i not in found:
+                    find_ahead(i)
+                spot = found.pop(i)
+                if isinstance(spot, Exception):
+                    raise spot
+                if spot is not None:
+                    return plan, reader.view_at(spot), True
             tensor, is_view = build_tensor(
                 plan,
                 reader,

@@ -31,6 +31,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +49,7 @@ from lazyckpt.plan import (
 )
 from lazyckpt.stats import LoadStats
 
-__all__ = ["DirectRead", "ReadQueue", "Reader"]
+__all__ = ["DirectRead", "ReadQueue", "Reader", "ViewSpot"]
 
 _MIN_RUN_BYTES = 64 << 10
 """Runs at least this long get a ``pread`` each (or an iovec of one); shorter ones are read in
@@ -125,6 +126,21 @@ class _OpenFile:
         self.flats.clear()
         self._map = self._bytes = self.pages = None
         os.close(self.fd)
+
+
+class ViewSpot(NamedTuple):
+    """Where a zero-copy view lies (:meth:`Reader.find_view`)."""
+
+    file: _OpenFile
+    first: int
+    """Byte offset of the first element."""
+    elements: int
+    """Elements from the first to the last, inclusive."""
+    probe: int
+    """A byte of the view's middle run (checked for writes when the view goes)."""
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 class Reader:
@@ -253,6 +269,17 @@ class Reader:
         The view has the strides the file gives (a column slice of a row-major matrix is a
         strided view, as ``torch.chunk`` would give); ``strided=False`` asks for dense views only.
         """
+        spot = self.find_view(chunk, dtype, piece, key, strided=strided)
+        return None if spot is None else self.view_at(spot)
+
+    def find_view(
+        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, strided: bool = True
+    ) -> ViewSpot | None:
+        """Where :meth:`view` would find ``piece``, with its pages asked for if they are not
+        cached (:func:`lazyckpt.readahead.read_ahead`), or None when it cannot be a view. A
+        stream finds the views ahead of the one it hands out: the probes then run back to back
+        (a syscall between the consumer's kernels costs several times more), and a cold load
+        asks for the pages of several pieces at once."""
         sizes = piece.sizes
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or 0 in sizes:
             return None
@@ -267,12 +294,17 @@ class Reader:
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, sizes, strides, itemsize)
         readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
-        self._count(region.path, math.prod(sizes) * itemsize)
+        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
+
+    def view_at(self, spot: ViewSpot) -> torch.Tensor:
+        """The view :meth:`find_view` found."""
+        f, dtype, sizes = spot.file, spot.dtype, spot.sizes
+        self._count(f.path, math.prod(sizes) * dtype.itemsize)
         if f.pages is None:  # not mapped yet: mapped once, whichever thread asks first
             with self._lock:
                 f.mapping()
-        window = f.window(first, first + count * itemsize, (lo + hi) // 2)
-        return torch.frombuffer(window, dtype=dtype).as_strided(sizes, strides)
+        window = f.window(spot.first, spot.first + spot.elements * dtype.itemsize, spot.probe)
+        return torch.frombuffer(window, dtype=dtype).as_strided(sizes, spot.strides)
 
     def stitch(
         self,

@@ -70,6 +70,26 @@ def test_a_file_without_target_bytes_is_never_opened_while_streaming(tmp_path: P
         assert got["tail"].shape[0] == (1 if rank == 1 else 0)
 
 
+def test_a_file_gone_while_streaming_fails_at_its_first_key(tmp_path: Path) -> None:
+    # The stream finds views ahead of the one it yields: an error found early (a file deleted
+    # after lazy_load() indexed it) is still raised at its own key, after the keys before it.
+    parts = [{"a": torch.randn(64, 4), "b": torch.randn(8)}, {"c": torch.randn(16, 4)}]
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for part, name in zip(parts, names):
+        save_file(part, tmp_path / name)
+    weight_map = {k: name for part, name in zip(parts, names) for k in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {})
+    (tmp_path / names[1]).unlink()
+    got = {}
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="the file is gone") as err:
+        for k, v in stream:
+            got[k] = v.clone()
+    assert names[1] in str(err.value)
+    assert sorted(got) == ["a", "b"]
+    assert all(torch.equal(got[k], parts[0][k]) for k in got)
+
+
 def test_bad_calls_fail_before_the_first_next(tmp_path: Path) -> None:
     loader = lazyckpt.get_model_checkpoint_loader()
     with pytest.raises(FileNotFoundError, match="no-such"):
