@@ -50,18 +50,19 @@ class LazyRegion:
     """A region found only when first needed, so that planning never opens the file.
 
     ``locate`` validates what it finds (and raises ``CorruptModelCheckpointError``); its result
-    is kept. It is given the file's descriptor when the caller has it open (a reader does), so
-    that locating a chunk opens nothing: a DCP load locates one chunk per key.
+    is kept. It is given the file's descriptor and size when the caller has it open (a reader
+    does), so that locating a chunk opens and stats nothing: a DCP load locates one chunk per
+    key.
     """
 
     path: Path
-    locate: Callable[[int | None], FileRegion]
+    locate: Callable[[int | None, int | None], FileRegion]
     _found: FileRegion | None = field(default=None, repr=False)
 
-    def resolve(self, fd: int | None = None) -> FileRegion:
-        """The region; ``fd``, if given, is ``path`` opened for reading."""
+    def resolve(self, fd: int | None = None, size: int | None = None) -> FileRegion:
+        """The region; ``fd``, if given, is ``path`` opened for reading, and ``size`` its size."""
         if self._found is None:
-            self._found = self.locate(fd)
+            self._found = self.locate(fd, size)
         return self._found
 
 

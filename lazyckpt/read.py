@@ -251,7 +251,8 @@ class Reader:
         data = chunk.data
         if isinstance(data, LazyRegion):
             # Located through the file this load opens anyway (see LazyRegion).
-            return data.resolve(self._open(data.path).fd)
+            f = self._open(data.path)
+            return data.resolve(f.fd, f.size)
         assert isinstance(data, FileRegion)  # tensors are handled by the callers
         return data
 

@@ -434,6 +434,7 @@ def read_torch_archive(
     restrict: bool = True,
     window: tuple[int, int] | None = None,
     fd: int | None = None,
+    size: int | None = None,
     memo: PickleMemo | None = None,
     shapes: ShapeMemo | None = None,
 ) -> TorchArchive:
@@ -442,13 +443,15 @@ def read_torch_archive(
     ``data.pkl`` already unpickled for another file is not unpickled again (the result is
     shared: treat it as read-only). With ``shapes``, an archive that repeats the checked bytes
     of one read before (see :class:`ShapeMemo`) is recognised from a read per record and a few
-    comparisons instead of being parsed again."""
+    comparisons instead of being parsed again. ``size``: the size of ``fd``, where the caller
+    has it (a reader locating DCP chunks, one per key, stats nothing then)."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         no_readahead(fd)  # exact reads of the directory, and no mark for the data reads
     try:
-        size = os.fstat(fd).st_size
+        if own or size is None:
+            size = os.fstat(fd).st_size
         start, length = window if window is not None else (0, size)
         if start < 0 or length < 0 or start + length > size:
             raise CorruptModelCheckpointError(

@@ -348,3 +348,18 @@ def test_packed_float4_keeps_its_dtype_under_a_cast(tmp_path: Path) -> None:
     assert got["x"].dtype == torch.float4_e2m1fn_x2 and same_bits(got["x"], x)
     with pytest.raises(ValueError, match="only floating-point tensors are cast"):
         lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float4_e2m1fn_x2)
+
+
+def test_a_safetensors_header_longer_than_the_first_read_is_read_whole(tmp_path: Path) -> None:
+    # The header is read with one 16 KiB pread where it fits; 3,000 keys take ~200 KiB.
+    from lazyckpt.loaders.safetensors import _FIRST_READ
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.{i}.a_long_parameter_name.weight": torch.randn(3, generator=g) for i in range(3000)}
+    path = tmp_path / "many.safetensors"
+    save_file(sd, path)
+    assert int.from_bytes(path.read_bytes()[:8], "little") > _FIRST_READ
+    got = {k: v.clone() for k, v in lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})}
+    want = load_file(path)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -17,6 +17,7 @@ import torch
 
 from lazyckpt.errors import UnknownCheckpointFormatError
 from lazyckpt.loader import IndexedCheckpointLoader, ModelCheckpointLoader, check_path
+from lazyckpt.loaders import dcp, fairscale, fairseq2
 from lazyckpt.loaders.dcp import DcpCheckpointLoader
 from lazyckpt.loaders.fairscale import FILE_RE as _CONSOLIDATED
 from lazyckpt.loaders.fairscale import FairscaleCheckpointLoader
@@ -47,7 +48,9 @@ FAIRSCALE = FairscaleCheckpointLoader()
 FAIRSEQ2 = Fairseq2CheckpointLoader()
 DCP = DcpCheckpointLoader()
 
-_SETS = (DCP, FAIRSCALE, FAIRSEQ2)
+_SETS = ((DCP, dcp.holds_set), (FAIRSCALE, fairscale.holds_set), (FAIRSEQ2, fairseq2.holds_set))
+"""The model-parallel formats, with how each is recognised in a folder's listing (listed once
+for all of them)."""
 
 
 def detect_loader(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
@@ -74,7 +77,7 @@ def detect_loader(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
 
 def _detect_folder(p: Path) -> IndexedCheckpointLoader:
     names = [n for n in os.listdir(p) if not n.startswith(".") or n == ".metadata"]
-    sets = [loader for loader in _SETS if loader.supports_path(p)]
+    sets = [loader for loader, holds in _SETS if holds(p, names)]
     st_index = any(n.endswith(_ST_INDEX) for n in names)
     pt_index = any(n.endswith(_PT_INDEX) for n in names)
     loose_st = [n for n in names if n.endswith(_ST)]

@@ -164,6 +164,11 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+def holds_set(folder: Path, names: list[str]) -> bool:
+    """Whether ``folder``, whose entries are ``names``, holds a DCP ``.metadata`` file."""
+    return METADATA in names and (folder / METADATA).is_file()
+
+
 @final
 class DcpCheckpointLoader(IndexedCheckpointLoader):
     """A ``torch.distributed.checkpoint`` folder (FSDP2, 2-D FSDP2+TP, Megatron ``torch_dist``)."""
@@ -331,12 +336,19 @@ def _locate(
     memo: PickleMemo,
     shapes: ShapeMemo,
     fd: int | None,
+    size: int | None,
 ) -> FileRegion:
     """Open the chunk's inner torch zip and find its storage record (header reads only);
-    ``fd``: ``file`` already open, or None."""
+    ``fd``: ``file`` already open, or None; ``size``: its size, if known."""
     try:
         archive = read_torch_archive(
-            file, restrict=restrict, window=(offset, length), fd=fd, memo=memo, shapes=shapes
+            file,
+            restrict=restrict,
+            window=(offset, length),
+            fd=fd,
+            size=size,
+            memo=memo,
+            shapes=shapes,
         )
     except CorruptModelCheckpointError as exc:
         if offset == 0 and _is_safetensors(file):

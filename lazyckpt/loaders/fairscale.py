@@ -61,6 +61,11 @@ def rank_files(folder: Path) -> list[Path]:
     return [member_path(folder, numbered[r][0], cited_by=folder) for r in range(n)]
 
 
+def holds_set(folder: Path, names: list[str]) -> bool:
+    """Whether ``folder``, whose entries are ``names``, holds a fairscale rank file."""
+    return any(FILE_RE.fullmatch(n) for n in names)
+
+
 @final
 class FairscaleCheckpointLoader(IndexedCheckpointLoader):
     """A folder of Meta fairscale ``consolidated.NN.pth`` rank files (MP-N)."""
@@ -69,7 +74,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
 
     def supports_path(self, path: str | os.PathLike[str]) -> bool:
         p = Path(path)
-        return p.is_dir() and any(FILE_RE.fullmatch(n) for n in os.listdir(p))
+        return p.is_dir() and holds_set(p, os.listdir(p))
 
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions

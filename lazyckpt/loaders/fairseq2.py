@@ -58,6 +58,12 @@ def _numbered(folder: Path, pattern: re.Pattern[str], want_dir: bool) -> list[Pa
     ]
 
 
+def holds_set(folder: Path, names: list[str]) -> bool:
+    """Whether ``folder``, whose entries are ``names``, holds fairseq2 ``pp_XX``/``tp_XX``
+    shard folders."""
+    return any((_PP.fullmatch(n) or _TP.fullmatch(n)) and (folder / n).is_dir() for n in names)
+
+
 @final
 class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
     """A fairseq2 folder of ``[pp_XX/]tp_XX/sdp_XX.pt`` shards."""
@@ -68,8 +74,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         p = Path(path)
         if not p.is_dir():
             return False
-        names = os.listdir(p)
-        return any((_PP.fullmatch(n) or _TP.fullmatch(n)) and (p / n).is_dir() for n in names)
+        return holds_set(p, os.listdir(p))
 
     @staticmethod
     def _stages(path: Path) -> list[Path]:

@@ -91,18 +91,25 @@ def _sizes_ok(values: list[Any], limit: int | None) -> bool:
     return True
 
 
+_FIRST_READ = 16 << 10
+"""Bytes of a safetensors file read first: its header length and, for most files, its header
+(a Llama shard's is a few KiB)."""
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     """The parsed header, the byte offset where data starts, and the file size."""
-    with open(path, "rb") as f:
-        no_readahead(f.fileno())  # no read-ahead mark for the data reads to hit
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        no_readahead(fd)  # no read-ahead mark for the data reads to hit
+        size = os.fstat(fd).st_size
         if size < 8:
             raise CorruptModelCheckpointError(
                 path,
                 f"is {size} bytes, shorter than the 8-byte safetensors header length; "
                 "it is empty or truncated",
             )
-        (n,) = struct.unpack("<Q", f.read(8))
+        head = os.pread(fd, _FIRST_READ, 0)  # the length and, usually, the whole header
+        (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES:
             raise CorruptModelCheckpointError(
                 path,
@@ -115,7 +122,14 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
                 f"declares a {n}-byte header but the file has only {size - 8} bytes after "
                 "the length; it is truncated",
             )
-        raw = f.read(n)
+        raw = head[8 : 8 + n]
+        while len(raw) < n:  # a long header, or a short read
+            more = os.pread(fd, n - len(raw), 8 + len(raw))
+            if not more:
+                raise CorruptModelCheckpointError(path, "was truncated while its header was read")
+            raw += more
+    finally:
+        os.close(fd)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError:
