@@ -16,7 +16,7 @@ from typing import final
 
 import torch
 
-from lazyckpt import alloc
+from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
@@ -203,7 +203,7 @@ def _stream(
     # bound as the prefetcher's memory: the largest tensor plus the budget.
     largest = max(sizes, default=0)
     with (
-        Reader(use_mmap=options.mmap, stats=stats) as reader,
+        Reader(use_mmap=options.mmap, stats=stats, defer=cow.STREAM_DEFER) as reader,
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
     ):

@@ -73,8 +73,9 @@ _RAW_BYTES = 1 << 20
 class _OpenFile:
     """A file opened for one load: its descriptor, size and (lazily) its mapping."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, defer: int = 0) -> None:
         self.path = path
+        self._defer = defer
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             self.size = os.fstat(self.fd).st_size
@@ -95,7 +96,7 @@ class _OpenFile:
         reader and every view are done with it (:mod:`lazyckpt.unmap`)."""
         if self._map is None:
             self._map = unmap.lease(mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY))
-            self.pages = cow.PrivatePages(self._map)
+            self.pages = cow.PrivatePages(self._map, self._defer)
         return self._map
 
     def window(self, start: int, stop: int, probe: int) -> memoryview:
@@ -150,9 +151,14 @@ class Reader:
     itself: opening a file and mapping it happen under a lock, the rest is per call.
     """
 
-    def __init__(self, *, use_mmap: bool = True, stats: LoadStats | None = None) -> None:
+    def __init__(
+        self, *, use_mmap: bool = True, stats: LoadStats | None = None, defer: int = 0
+    ) -> None:
         self.use_mmap = use_mmap
         self.stats = stats
+        self.defer = defer
+        """Bytes of views that went to gather before they are checked for writes, while the
+        reader is open (see :class:`lazyckpt.cow.PrivatePages`): a stream's views."""
         self._files: dict[Path, _OpenFile] = {}
         # Reentrant: the garbage collector may close a dropped stream's reader on a thread that
         # is inside one of its locked sections (the prefetch worker allocates the most).
@@ -171,6 +177,8 @@ class Reader:
             self._closed = True
             files, self._files = self._files, {}
         for f in files.values():
+            if f.pages is not None:
+                f.pages.flush()  # views that go from now on are checked at once
             f.close()
         self._local = threading.local()  # the caller's bounce buffer (a worker's went with it)
 
@@ -183,7 +191,7 @@ class Reader:
                 f = self._files.get(path)
                 if f is None:
                     try:
-                        f = _OpenFile(path)
+                        f = _OpenFile(path, self.defer)
                     except FileNotFoundError as exc:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"

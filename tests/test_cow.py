@@ -72,6 +72,37 @@ def test_in_place_writes_into_views_do_not_pile_up(tmp_path: Path) -> None:
 
 
 @linux
+def test_written_views_that_went_are_given_back_when_the_stream_ends(tmp_path: Path) -> None:
+    # A stream checks the views that went in batches (lazyckpt.cow.STREAM_DEFER bytes of them):
+    # those still unchecked when it ends are checked then, though a kept view holds the mapping.
+    from lazyckpt.cow import STREAM_DEFER
+
+    # TP-2 rank 0: the first half of each tensor, 1 MiB views 1 MiB apart (a view next to one
+    # that went, sharing a page with it, has it checked first: see
+    # test_a_later_view_of_the_same_bytes_sees_the_file).
+    full = {f"w{i:02d}": torch.full((512, 1024), float(i)) for i in range(12)}
+    assert STREAM_DEFER > 11 * (1 << 20)  # all of them wait for the end of the stream
+    save_file(full, tmp_path / "m.safetensors")
+    want = {k: v[:256] + 1.0 for k, v in full.items()}  # made before the baseline is taken
+    loader = lazyckpt.get_model_checkpoint_loader()
+    options = lazyckpt.ModelCheckpointLoadOptions(layout=lazyckpt.Layout(tp_size=2, tp_rank=0))
+    gc.collect()
+    base = _rss_anon()
+    kept = None
+    stream = loader.lazy_load(tmp_path / "m.safetensors", dict.fromkeys(full, 0), options)
+    for key, t in stream:
+        if kept is None:
+            kept = t  # never written: keeps the mapping
+            continue
+        t.add_(1.0)
+        assert torch.equal(t, want[key])
+        del t
+    gc.collect()
+    assert _rss_anon() - base < 4 << 20, (_rss_anon() - base) >> 20
+    assert kept is not None and torch.equal(kept, want["w00"] - 1.0)
+
+
+@linux
 def test_writes_a_live_view_can_see_are_kept(tmp_path: Path) -> None:
     # Views over the same bytes (a tensor and a view of part of it, saved sharing storage) and
     # neighbours that share pages at their seams: dropping one never undoes what was written
