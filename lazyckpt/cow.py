@@ -153,12 +153,15 @@ class PrivatePages:
                 _ACTIVE.discard(self)
             self._gone.append((start, stop, probe))
             self._gone_bytes += stop - start
-            lo, hi = _span([(start, stop, probe)])
-            if self._gone_span[1]:
-                lo, hi = min(lo, self._gone_span[0]), max(hi, self._gone_span[1])
-            self._gone_span = (lo, hi)
             if self._gone_bytes >= self.defer:
                 self._flush()
+                return
+            page = mmap.PAGESIZE
+            lo, hi = start // page * page, -(-stop // page) * page
+            span_lo, span_hi = self._gone_span
+            if span_hi:
+                lo, hi = min(lo, span_lo), max(hi, span_hi)
+            self._gone_span = (lo, hi)
 
     def flush(self, *, defer: int = 0) -> None:
         """Check the views that went now, and gather ``defer`` bytes of them from now on."""
