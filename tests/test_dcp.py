@@ -81,3 +81,16 @@ def test_a_dcp_save_in_safetensors_format_is_named_as_such(tmp_path: Path, keys:
     dcp.save(dict(list(sd.items())[:keys]), storage_writer=writer, no_dist=True)
     with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="serialization_format=SAFE"):
         load_all(folder)
+
+
+def test_every_torch_layout_is_found_by_its_pickled_name() -> None:
+    # DCP metadata pickles each chunk's layout as torch.serialization._get_layout("torch.strided");
+    # lazyckpt answers it without torch's scan of torch.__dict__, and must answer the same.
+    from torch.serialization import _get_layout
+
+    from lazyckpt.torch_zip import layout_by_name
+
+    layouts = [v for v in vars(torch).values() if isinstance(v, torch.layout)]
+    assert torch.strided in layouts
+    for layout in layouts:
+        assert layout_by_name(str(layout)) is layout is _get_layout(str(layout))

@@ -29,6 +29,7 @@ from lazyckpt.torch_zip import (
     PickleMemo,
     ShapeMemo,
     StoredTensor,
+    layout_by_name,
     read_torch_archive,
     restricted_find_class,
 )
@@ -63,9 +64,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _DCP_CLASSES:
             return super().find_class(module, name)
         if module == "torch.serialization" and name == "_get_layout":
-            from torch.serialization import _get_layout
-
-            return _get_layout
+            return layout_by_name
         if module == "pathlib" and name in (
             "Path",
             "PosixPath",
@@ -157,11 +156,14 @@ def _is_safetensors(path: Path) -> bool:
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        return tuple(value)
-    return None
+    """``value`` as a tuple of ints (not bools), or None. A loop, not ``all()`` of a generator:
+    it runs for every chunk's offsets and sizes and every storage key."""
+    if not isinstance(value, (tuple, list)):
+        return None
+    for v in value:
+        if type(v) is not int:  # a bool, an int subclass, is refused
+            return None
+    return tuple(value)
 
 
 def holds_set(folder: Path, names: list[str]) -> bool:
