@@ -13,6 +13,7 @@ kept, so no write a live tensor can see is lost.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -112,13 +113,18 @@ class PrivatePages:
     While a stream runs (``defer``), the views that went are checked for writes in batches, once
     ``defer`` bytes of them have gone, before a new view is made over their pages, and when the
     stream ends (:meth:`flush`): each check is a read of the page map, and one between the
-    consumer's kernels cost 4-7 us here against ~1.5 back to back. Written pages then outlive
-    their view by at most ``defer`` bytes of views."""
+    consumer's kernels cost 4-7 us here against ~1.5 back to back. Meanwhile a view that goes
+    runs no Python: its weak reference's callback is a deque's ``append``, read when the next
+    view is made (the consumer's ``del`` cost 7 us a view in a fresh process with a Python
+    callback). Written pages then outlive their view by at most ``defer`` bytes of views, or
+    until the next view or the end of the stream."""
 
     def __init__(self, lease: ctypes.Array[ctypes.c_char], defer: int = 0) -> None:
         self._lease = lease
         self.address = ctypes.addressof(lease)
         self._live: dict[int, tuple[int, int, int, weakref.ref[memoryview]]] = {}
+        self._died: collections.deque[weakref.ref[memoryview]] = collections.deque()
+        """Weak references of views that went while ``defer`` was set, not yet read."""
         self._gone: list[tuple[int, int, int]] = []
         """Views that went and were not checked yet: ``(start, stop, probe)``."""
         self._gone_bytes = 0
@@ -135,8 +141,13 @@ class PrivatePages:
         it alive, and its pages are dropped when it goes."""
         if _madvise is None:
             return
-        ref = weakref.ref(window, self._release)  # cheaper than weakref.finalize, per view
         with self._lock:
+            if self.defer:
+                ref = weakref.ref(window, self._died.append)
+                if self._died:
+                    self._collect()
+            else:
+                ref = weakref.ref(window, self._release)  # cheaper than weakref.finalize
             lo, hi = self._gone_span
             if lo < stop and start < hi:
                 # The new view must not see what a view that went wrote into shared pages.
@@ -144,29 +155,61 @@ class PrivatePages:
             self._live[id(ref)] = (start, stop, probe, ref)
             _ACTIVE.add(self)  # reachable while a view lives, though the reader has let go
 
+    def _collect(self) -> None:
+        """Count the views that went meanwhile (``_died``) as gone; check them once ``defer``
+        bytes of views have gone."""
+        died = self._died
+        while died:
+            entry = self._live.pop(id(died.popleft()), None)
+            if entry is not None:
+                self._went(*entry[:3])
+        if not self._live:
+            _ACTIVE.discard(self)
+        if self._gone_bytes >= self.defer:
+            self._flush()
+
+    def _went(self, start: int, stop: int, probe: int) -> None:
+        self._gone.append((start, stop, probe))
+        self._gone_bytes += stop - start
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, -(-stop // page) * page
+        span_lo, span_hi = self._gone_span
+        if span_hi:
+            lo, hi = min(lo, span_lo), max(hi, span_hi)
+        self._gone_span = (lo, hi)
+
     def _release(self, ref: weakref.ref[memoryview]) -> None:
         # All under the lock: a view registered meanwhile (on another thread, where the
         # collector freed this one) could be written into before the pages are dropped.
         with self._lock:
-            start, stop, probe, _ = self._live.pop(id(ref))
+            entry = self._live.pop(id(ref), None)
+            if self._died:  # views of the stream that went after it ended: read by nobody now
+                self._died.clear()
             if not self._live:
                 _ACTIVE.discard(self)
-            self._gone.append((start, stop, probe))
-            self._gone_bytes += stop - start
-            if self._gone_bytes >= self.defer:
-                self._flush()
-                return
-            page = mmap.PAGESIZE
-            lo, hi = start // page * page, -(-stop // page) * page
-            span_lo, span_hi = self._gone_span
-            if span_hi:
-                lo, hi = min(lo, span_lo), max(hi, span_hi)
-            self._gone_span = (lo, hi)
+            if entry is not None:
+                self._went(*entry[:3])
+            self._flush()
 
-    def flush(self, *, defer: int = 0) -> None:
-        """Check the views that went now, and gather ``defer`` bytes of them from now on."""
+    def flush(self) -> None:
+        """Check every view that went, and each one that goes from now on at once (the stream
+        ended): the views still alive get a callback of their own."""
         with self._lock:
-            self.defer = defer
+            self._collect()
+            self.defer = 0
+            for key, (start, stop, probe, ref) in list(self._live.items()):
+                if ref.__callback__ == self._release:
+                    continue
+                view = ref()
+                del self._live[key]
+                if view is None:  # going right now: its callback comes too late to be read
+                    self._went(start, stop, probe)
+                    continue
+                own = weakref.ref(view, self._release)
+                self._live[id(own)] = (start, stop, probe, own)
+                del view
+            if not self._live:
+                _ACTIVE.discard(self)
             self._flush()
 
     def _flush(self, start: int = 0, stop: int = -1) -> None:
