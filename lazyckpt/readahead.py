@@ -7,7 +7,7 @@ on, a virtio disk), and a rank that reads 1/8 of each tensor then read 1.15-4x t
 needed from disk, cold: FSDP ``fsdp8-r0`` from Meta's MP-8 files 1,023 MB for its 253 MB,
 from Hugging Face safetensors through ``lazy_load`` 822 MB. With this module's advice those
 loads read 253-255 MB, and were no slower cold (see benchmarks/README.md, "Cold page cache");
-a warm load pays three probes per piece read through a mapping.
+a warm load pays up to three probes (one per page) per piece read through a mapping.
 
 * Every file lazyckpt opens to read is advised ``POSIX_FADV_RANDOM`` (:func:`no_readahead`):
   a ``pread`` then reads exactly its pages, and leaves no read-ahead mark behind it (a later
@@ -69,8 +69,8 @@ def read_ahead(
     A probe is a 1-byte ``preadv`` that may not wait for the device (``RWF_NOWAIT``): it fails
     where the page is not cached (and starts reading that one page). Where that cannot be asked,
     nothing is advised: the kernel's own read-ahead is left alone. The probes are inline, not a
-    function called three times: a warm load pays them for every piece, and a syscall between
-    the consumer's kernels costs 4-7 us there."""
+    function called three times: a warm load pays them for every piece (``lazy_load`` makes
+    them back to back for the keys ahead, see ``Reader.find_view``)."""
     start, stop = middle if middle is not None else middle_run(first, sizes, strides, itemsize)
     if stop <= start or not _ADVISE or not _NOWAIT:  # empty, or nothing to ask or advise
         return

@@ -15,6 +15,7 @@ offset of a larger file, hence the ``window``).
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pickle
@@ -283,15 +284,20 @@ _LAYOUTS = (
 
 def layout_by_name(name: str) -> torch.layout:
     """``torch.serialization._get_layout`` for the layouts pickles name (every DCP chunk's
-    ``TensorProperties`` holds one). torch's own scans all of ``torch.__dict__`` on its
-    first call in a process (0.5 ms of a fresh process's DCP index, whose metadata names one per chunk)."""
-    for attr in _LAYOUTS:
-        layout = getattr(torch, attr, None)
-        if isinstance(layout, torch.layout) and str(layout) == name:
-            return layout
+    ``TensorProperties`` holds one). torch's own scans all of ``torch.__dict__`` on its first
+    call in a process: 0.5 ms of a fresh process's DCP index."""
+    layout = _layouts().get(name)
+    if layout is not None:
+        return layout
     from torch.serialization import _get_layout
 
     return _get_layout(name)
+
+
+@functools.cache
+def _layouts() -> dict[str, torch.layout]:
+    found = (getattr(torch, attr, None) for attr in _LAYOUTS)
+    return {str(v): v for v in found if isinstance(v, torch.layout)}
 
 
 def restricted_find_class(module: str, name: str) -> Any:

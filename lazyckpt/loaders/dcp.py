@@ -161,7 +161,7 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     if not isinstance(value, (tuple, list)):
         return None
     for v in value:
-        if type(v) is not int:  # a bool, an int subclass, is refused
+        if not isinstance(v, int) or isinstance(v, bool):
             return None
     return tuple(value)
 
