@@ -43,15 +43,16 @@ def build_tensor(
     pool: PinnedPool | None = None,
     contiguous: bool = False,
     buffers: alloc.BufferPool | None = None,
+    try_view: bool = True,
 ) -> tuple[torch.Tensor, bool]:
     """The target tensor of ``plan`` and whether it is a view of mapped files.
 
     A box inside one chunk, with no cast, is a view (strided unless ``contiguous``); a box that
     several chunks fill with contiguous pieces may be a stitched view of them
     (:mod:`lazyckpt.stitch`); anything else is copied into one new buffer (from ``buffers``
-    when given)."""
+    when given). ``try_view=False``: a copy, where the caller already found that no view fits."""
     on_cpu = device is None or device.type == "cpu"
-    if on_cpu and out_dtype == plan.entry.dtype:
+    if try_view and on_cpu and out_dtype == plan.entry.dtype:
         view = None
         key = plan.entry.checkpoint_key
         if plan.may_be_view:

@@ -246,6 +246,7 @@ def _stream(
                 pool=pool,
                 contiguous=options.contiguous,
                 buffers=buffers,
+                try_view=not views[i],  # else the reader found that it cannot be one
             )
             return plan, tensor, is_view
 
