@@ -114,6 +114,33 @@ def test_fairscale_replica_that_differs_is_caught(tmp_path: Path, llama3: Path) 
         load_all(llama3, dims)
 
 
+def test_fairscale_files_saved_from_different_pickles_are_indexed_each_on_its_own(
+    tmp_path: Path, llama3: Path
+) -> None:
+    """Rank files of one pickle and one layout share their index work (each key checked in the
+    first file only); files that differ (here rank 1 saved with its keys in reverse order, so
+    its pickle and offsets differ) are indexed file by file. Both give the oracle's tensors."""
+    from lazyckpt.loaders.fairscale import _alike, rank_files
+    from lazyckpt.torch_zip import read_torch_set
+
+    for r in range(MP):
+        sd = torch.load(llama3 / f"consolidated.{r:02d}.pth", weights_only=True)
+        if r == 1:
+            sd = dict(reversed(sd.items()))
+        torch.save(sd, tmp_path / f"consolidated.{r:02d}.pth")
+    dims = lazyckpt.preset_shard_dims("llama3-fairscale", sd.keys())
+    for folder, alike in ((llama3, True), (tmp_path, False)):
+        files = rank_files(folder)
+        ranks = [(f, a, flat) for f, (a, flat) in zip(files, read_torch_set(files))]
+        assert _alike(ranks) == alike
+        full = full_tensors(folder, dims)
+        for layout in (lazyckpt.Layout(), lazyckpt.Layout(tp_size=2, tp_rank=1, dp_size=2, dp_rank=1)):
+            got = load_all(folder, dims, layout=layout)
+            assert list(got) == list(full)
+            for key, t in full.items():
+                assert same_bits(got[key], expected(t, dims.get(key), layout)), key
+
+
 def test_fairscale_into_plain_model_reproduces_logits(llama3: Path, llama2_bf16: Path) -> None:
     reference = torch.load(logits_path(llama3), weights_only=True)
     model = TinyLlama()

@@ -301,3 +301,30 @@ def test_stitch_plan_refuses_runs_that_do_not_tile() -> None:
     assert plan_stitch([(0, 0, 8), (16, 8, 8)], 8) is None  # a gap in the destination
     assert plan_stitch([(0, 0, 0)], 8) is None
     assert plan_stitch([], 8) is None
+
+
+@given(
+    shape=st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    ranks=st.integers(1, 4),
+    dim=st.one_of(st.none(), st.integers(-4, 3)),
+)
+def test_assemble_alike_is_assemble_grid_of_a_uniform_grid(
+    shape: tuple[int, ...], ranks: int, dim: int | None
+) -> None:
+    """``assemble_alike`` (one shard per rank, all of one shape: fairscale files of one pickle)
+    gives what ``assemble_grid`` gives for that grid, errors included."""
+    from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
+
+    datas = [torch.zeros(0) for _ in range(ranks)]
+    grid = [[Cell(shape, torch.bfloat16, d, f"rank {r}")] for r, d in enumerate(datas)]
+
+    def outcome(f, *args):  # type: ignore[no-untyped-def]
+        try:
+            dtype, full, copies = f(*args)
+        except ValueError as exc:
+            return type(exc), str(exc)
+        return dtype, full, [[(c.offsets, c.sizes, id(c.data)) for c in copy] for copy in copies]
+
+    got = outcome(assemble_alike, shape, torch.bfloat16, datas, dim)
+    assert got == outcome(assemble_grid, grid, dim)
+

@@ -14,14 +14,14 @@ import re
 from pathlib import Path
 from typing import final
 
-from lazyckpt.assemble import Cell, assemble_grid
+from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry
+from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry, add_entry
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import read_torch_set
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_set
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -86,7 +86,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
         ]
         first_file, _, first = ranks[0]
         for f, _, flat in ranks[1:]:
-            extra = [k for k in flat if k not in first]
+            extra = [] if flat is first else [k for k in flat if k not in first]
             if extra:
                 raise CorruptModelCheckpointError(
                     f,
@@ -95,6 +95,53 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                     key=extra[0],
                 )
         entries: dict[str, TensorEntry] = {}
+        if _alike(ranks):
+            self._index_alike(ranks, rules, entries)
+        else:
+            self._index_each(path, ranks, rules, entries)
+        return CheckpointIndex(
+            path=path,
+            format=self.name,
+            entries=entries,
+            files=files,
+            source_layout=f"MP-{len(files)}",
+            metadata=_params(path),
+        )
+
+    @staticmethod
+    def _index_alike(
+        ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]],
+        rules: KeyRules,
+        entries: dict[str, TensorEntry],
+    ) -> None:
+        """Index files saved alike (see :func:`_alike`): a key's shard has one shape, dtype and
+        offset in every file, so it is checked once, in the first."""
+        _, archive, first = ranks[0]
+        others = [f for f, _, _ in ranks[1:]]
+        for key, stored in first.items():
+            target = rules.target(key)
+            if target is None:
+                continue
+            region = archive.region(stored, key)
+            at, strides = region.byte_offset, region.strides
+            datas = [region, *(FileRegion(f, at, strides) for f in others)]
+            shape = stored.sizes
+            dim = rules.shard_dim(key, [shape] * len(datas))
+            try:
+                dtype, shape, copies = assemble_alike(shape, stored.dtype, datas, dim)
+            except ValueError as exc:
+                raise ValueError(f"key {key!r}: {exc}") from None
+            add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+
+    @staticmethod
+    def _index_each(
+        path: Path,
+        ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]],
+        rules: KeyRules,
+        entries: dict[str, TensorEntry],
+    ) -> None:
+        """Index files that differ in what they hold or where: each shard checked on its own."""
+        first_file, _, first = ranks[0]
         named = [(f, f.name, archive, flat) for f, archive, flat in ranks]
         for key in first:
             target = rules.target(key)
@@ -120,14 +167,14 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             except ValueError as exc:
                 raise ValueError(f"key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
-        return CheckpointIndex(
-            path=path,
-            format=self.name,
-            entries=entries,
-            files=files,
-            source_layout=f"MP-{len(files)}",
-            metadata=_params(path),
-        )
+
+
+def _alike(ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]) -> bool:
+    """Whether the files hold one pickle (``read_torch_set`` then gives them one flat dict) and
+    their storages at the same offsets: the usual case, files written by one ``torch.save``
+    loop."""
+    _, archive, flat = ranks[0]
+    return all(f is flat and a.storage_offsets == archive.storage_offsets for _, a, f in ranks[1:])
 
 
 def _params(folder: Path) -> dict[str, str]:
