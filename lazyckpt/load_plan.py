@@ -82,7 +82,11 @@ class TensorPlan:
 
 
 def _files(chunks: tuple[Chunk, ...], pieces: tuple[Piece, ...]) -> set[Path]:
-    return {p for p in (chunks[piece.chunk].path for piece in pieces) if p is not None}
+    # Runs for every copy of every key of a load: the chunks' data read directly (a tensor in
+    # memory, from reshard_tensor, has no file).
+    found = {getattr(chunks[piece.chunk].data, "path", None) for piece in pieces}
+    found.discard(None)
+    return found  # type: ignore[return-value]
 
 
 def check_shard_dims(shard_dims: Mapping[str, int]) -> None:
@@ -156,7 +160,11 @@ def plan_entry(
         o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, shape)
     ):
         raise ValueError(f"key {entry.display_key}: box {box} lies outside shape {shape}")
-    return dim, box, [_pieces(box, geometry) for geometry in geometries]
+    if len(geometries) == 1:
+        return dim, box, [_pieces(box, geometries[0])]
+    # Replicas (a model-parallel set's copies) repeat one geometry: one lookup for them all.
+    found = {g: _pieces(box, g) for g in dict.fromkeys(geometries)}
+    return dim, box, [found[g] for g in geometries]
 
 
 def _fail(
