@@ -69,13 +69,7 @@ def assemble_grid(
                 )
         return first.dtype, shape, tuple(tuple(chunks) for _, chunks in rows)
 
-    try:
-        dim = normalize_dim(shard_dim, ndim)
-    except PlanError:
-        # The caller's shard_dims are wrong, not the checkpoint: a ValueError, not a PlanError.
-        raise ValueError(
-            f"shard dim {shard_dim} is out of range for a {ndim}-D tensor; fix shard_dims"
-        ) from None
+    dim = _shard_dim(shard_dim, ndim)
     # Runs once per key and rank file of every model-parallel index: plain loops, and each
     # chunk made once, at its global offsets (TP offset on ``dim``, DP offset on dim 0).
     if all(len(row) == 1 for row in grid):
@@ -114,15 +108,21 @@ def assemble_alike(
     zeros = (0,) * ndim
     if ndim == 0 or shard_dim is None:
         return dtype, shape, tuple((Chunk(zeros, shape, d),) for d in datas)
+    dim = _shard_dim(shard_dim, ndim)
+    before, step, after = zeros[:dim], shape[dim], zeros[dim + 1 :]
+    chunks = tuple(Chunk((*before, r * step, *after), shape, d) for r, d in enumerate(datas))
+    return dtype, (*shape[:dim], step * len(datas), *shape[dim + 1 :]), (chunks,)
+
+
+def _shard_dim(shard_dim: int, ndim: int) -> int:
+    """``shard_dim`` normalized for an ``ndim``-D key. Out of range, the caller's shard_dims
+    are wrong, not the checkpoint: a ValueError, not a PlanError."""
     try:
-        dim = normalize_dim(shard_dim, ndim)
+        return normalize_dim(shard_dim, ndim)
     except PlanError:
         raise ValueError(
             f"shard dim {shard_dim} is out of range for a {ndim}-D tensor; fix shard_dims"
         ) from None
-    before, step, after = zeros[:dim], shape[dim], zeros[dim + 1 :]
-    chunks = tuple(Chunk((*before, r * step, *after), shape, d) for r, d in enumerate(datas))
-    return dtype, (*shape[:dim], step * len(datas), *shape[dim + 1 :]), (chunks,)
 
 
 def _concat(

@@ -83,8 +83,11 @@ class Chunk:
 
     @property
     def path(self) -> Path | None:
-        """The file holding the chunk (``None`` for an in-memory tensor)."""
-        return None if isinstance(self.data, torch.Tensor) else self.data.path
+        """The file holding the chunk (``None`` for an in-memory tensor). Asked per copy of
+        every key a load plans: tested against the region classes, whose ``isinstance`` is a
+        plain one (``torch.Tensor``'s goes through its metaclass)."""
+        data = self.data
+        return data.path if isinstance(data, (FileRegion, LazyRegion)) else None
 
     @property
     def numel(self) -> int:

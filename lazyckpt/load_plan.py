@@ -82,11 +82,7 @@ class TensorPlan:
 
 
 def _files(chunks: tuple[Chunk, ...], pieces: tuple[Piece, ...]) -> set[Path]:
-    # Runs for every copy of every key of a load: the chunks' data read directly (a tensor in
-    # memory, from reshard_tensor, has no file).
-    found = {getattr(chunks[piece.chunk].data, "path", None) for piece in pieces}
-    found.discard(None)
-    return found  # type: ignore[return-value]
+    return {p for p in (chunks[piece.chunk].path for piece in pieces) if p is not None}
 
 
 def check_shard_dims(shard_dims: Mapping[str, int]) -> None:
