@@ -273,6 +273,8 @@ def _fill(
     dst: torch.Tensor,
     key: str,
 ) -> None:
+    if len(pieces) > 1 and reader.concat(chunks, src_dtype, pieces, dst, key):  # type: ignore[arg-type]
+        return
     for piece in pieces:
         reader.copy(chunks[piece.chunk], src_dtype, piece, dst, key)  # type: ignore[arg-type]
 

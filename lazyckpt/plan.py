@@ -22,6 +22,7 @@ __all__ = [
     "Stitch",
     "check_tiling",
     "chunk_bounds",
+    "concat_order",
     "contiguous_runs",
     "intersect",
     "mesh_box",
@@ -202,6 +203,31 @@ class Piece:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+def concat_order(pieces: Sequence[Piece], sizes: Sequence[int]) -> tuple[int, list[int]] | None:
+    """``(dim, order)`` when ``pieces`` fill a box of ``sizes`` side by side along one dim,
+    each spanning the whole box in every other dim (a model-parallel key split on dim 1, read
+    back whole or by rows): the box is the pieces in ``order`` joined along ``dim``, which
+    ``torch.cat`` writes row by row. Else None (fewer than two pieces, or any other tiling)."""
+    if len(pieces) < 2 or not sizes:
+        return None
+    first = pieces[0].sizes
+    along = [d for d, (n, m) in enumerate(zip(first, sizes)) if n != m]
+    if len(along) != 1:
+        return None
+    (dim,) = along
+    for p in pieces:  # a piece lies in the box: as long as it, it starts where it does
+        for d, (n, m) in enumerate(zip(p.sizes, sizes)):
+            if d != dim and n != m:
+                return None
+    order = sorted(range(len(pieces)), key=lambda i: pieces[i].dst_offsets[dim])
+    at = 0
+    for i in order:
+        if pieces[i].dst_offsets[dim] != at or pieces[i].sizes[dim] == 0:
+            return None
+        at += pieces[i].sizes[dim]
+    return (dim, order) if at == sizes[dim] else None
 
 
 def plan_pieces(box: Box, chunks: Sequence[Box]) -> list[Piece]:

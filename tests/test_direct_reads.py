@@ -16,6 +16,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import lazyckpt
+from lazyckpt.index import Chunk, FileRegion
+from lazyckpt.loaders import detect_loader
+from lazyckpt.plan import Piece
 from lazyckpt.read import DirectRead, Reader, _OpenFile, _run_reads
 
 
@@ -102,6 +105,63 @@ def test_model_parallel_pieces_mix_direct_reads_and_copies(tmp_path: Path) -> No
     assert report.shard_dims == dims
     for name, t in full.items():
         assert same_bits(model.state_dict()[name], t), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_column_blocks_are_joined_by_one_cat_or_left_to_the_copies(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # Three column blocks of one matrix, in three files (as model-parallel ranks save a key
+    # split on dim 1), joined into the box; what concat cannot take it leaves untouched.
+    g = torch.Generator().manual_seed(9)
+    full = torch.randn(48, 96, generator=g).to(dtype)
+    widths = [40, 16, 40]
+    blocks = list(full.split(widths, dim=1))
+    chunks, pieces, at = [], [], 0
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"{i}.safetensors"
+        save_file({"w": block.contiguous(), "z": torch.zeros(3, dtype=torch.int8)}, path)
+        index = detect_loader(path).index(path)
+        (chunk,) = index.entries["w"].chunks
+        chunks.append(chunk)
+        pieces.append(Piece(i, (0, 0), (0, at), tuple(block.shape)))
+        at += block.shape[1]
+    shuffled = [pieces[2], pieces[0], pieces[1]]
+    stats = lazyckpt.LoadStats()
+    with Reader(stats=stats) as reader:
+        dst = torch.zeros(48, 96, dtype=dtype)
+        assert reader.concat(chunks, dtype, shuffled, dst, "w")
+        assert same_bits(dst, full)
+        assert stats.total_bytes_read == full.nbytes
+        # Rows 8-20 of the box: pieces of the blocks' rows, still side by side.
+        rows = [Piece(p.chunk, (8, 0), p.dst_offsets, (12, p.sizes[1])) for p in pieces]
+        part = torch.zeros(12, 96, dtype=dtype)
+        assert reader.concat(chunks, dtype, rows, part, "w")
+        assert same_bits(part, full[8:20])
+        two = torch.zeros(48, 56, dtype=dtype)  # a box the first two blocks fill
+        assert reader.concat(chunks, dtype, pieces[:2], two, "w")
+        assert same_bits(two, full[:, :56])
+        for bad_pieces, bad_dst in [
+            (pieces, torch.zeros(96, 48, dtype=dtype).t()),  # not contiguous
+            (pieces, torch.zeros(48, 96, dtype=torch.float64)),  # a cast
+            ([pieces[0], pieces[2]], torch.zeros(48, 96, dtype=dtype)),  # a gap
+        ]:
+            assert not reader.concat(chunks, dtype, bad_pieces, bad_dst, "w")
+            assert bool((bad_dst == 0).all())
+        # A block one byte further on (as a DCP chunk may lie): not an address torch may read
+        # as the dtype, so nothing is read.
+        region = chunks[1].data
+        assert isinstance(region, FileRegion)
+        odd = Chunk(
+            chunks[1].offsets,
+            chunks[1].sizes,
+            FileRegion(region.path, region.byte_offset + 1, region.strides),
+        )
+        untouched = torch.zeros(48, 96, dtype=dtype)
+        assert not reader.concat([chunks[0], odd, chunks[2]], dtype, pieces, untouched, "w")
+        assert bool((untouched == 0).all())
+    with Reader(use_mmap=False) as reader:
+        assert not reader.concat(chunks, dtype, pieces, torch.zeros(48, 96, dtype=dtype), "w")
 
 
 def test_a_read_past_the_end_of_the_file_names_file_and_key(tmp_path: Path) -> None:
@@ -291,7 +351,8 @@ def test_copies_run_on_the_caller_alone_while_the_helper_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # MP-2: w_in's pieces are direct reads (the helper is held inside its first one), w_out's
-    # column blocks are copies from the mappings, made meanwhile on one intra-op thread.
+    # column blocks are copied from the mappings (joined by one torch.cat), meanwhile, on one
+    # intra-op thread.
     full = truth()
     dims = {"w_in": 0, "w_out": 1}
     for r in range(2):
@@ -306,15 +367,17 @@ def test_copies_run_on_the_caller_alone_while_the_helper_reads(
         return real_preadv(fd, buffers, offset, *flags)
 
     threads_at_copy: list[int] = []
-    real_copy = Reader.copy
+    real_concat = Reader.concat
 
-    def copy(self: Reader, *args: object, **kwargs: object) -> None:
+    def concat(self: Reader, *args: object, **kwargs: object) -> bool:
         threads_at_copy.append(torch.get_num_threads())
         proceed.set()
-        real_copy(self, *args, **kwargs)  # type: ignore[arg-type]
+        joined = real_concat(self, *args, **kwargs)  # type: ignore[arg-type]
+        assert joined
+        return joined
 
     monkeypatch.setattr(os, "preadv", gated)
-    monkeypatch.setattr(Reader, "copy", copy)
+    monkeypatch.setattr(Reader, "concat", concat)
     before = torch.get_num_threads()
     model = Wide()
     lazyckpt.load_into(model, tmp_path)

@@ -4,6 +4,7 @@ reassembly; no files involved."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -15,9 +16,11 @@ from hypothesis import strategies as st
 import lazyckpt
 from lazyckpt.plan import (
     Box,
+    Piece,
     PlanError,
     check_tiling,
     chunk_bounds,
+    concat_order,
     contiguous_runs,
     intersect,
     mesh_box,
@@ -244,6 +247,65 @@ def test_plan_pieces_cover_box_exactly() -> None:
     ]
     assert intersect(Box((0,), (2,)), Box((2,), (2,))) is None
     assert plan_pieces(Box((0, 0), (0, 4)), chunks) == []
+
+
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_concat_order_joins_the_pieces_back_into_the_box(
+    shape: tuple[int, ...], data: st.DataObject
+) -> None:
+    # Chunks split along up to two dims; the box is a sub-box of the tensor. Wherever
+    # concat_order answers, the pieces' source elements joined in its order along its dim are
+    # the box (brute force on an arange tensor); it answers for every split along one dim.
+    full = torch.arange(math.prod(shape)).view(shape)
+    cuts = []
+    for n in shape:
+        k = data.draw(st.integers(1, n))
+        cuts.append(
+            sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=k - 1)) if n > 1 else [])
+        )
+    split_dims = [d for d, c in enumerate(cuts) if c]
+    one_dim = data.draw(st.booleans())
+    if one_dim and len(split_dims) > 1:  # keep one split dim in half of the cases
+        for d in split_dims[1:]:
+            cuts[d] = []
+    chunks = [
+        Box(tuple(o for o, _ in corner), tuple(n for _, n in corner))
+        for corner in itertools.product(
+            *[[(a, b - a) for a, b in zip([0, *c], [*c, n])] for c, n in zip(cuts, shape)]
+        )
+    ]
+    offsets = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    box = Box(offsets, tuple(data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets)))
+    pieces = plan_pieces(box, chunks)
+    pieces = data.draw(st.permutations(pieces))
+    found = concat_order(pieces, box.sizes)
+    along = [d for d in range(len(shape)) if any(p.sizes[d] != box.sizes[d] for p in pieces)]
+    if len(pieces) < 2 or len(along) != 1:
+        assert found is None
+        return
+    assert found is not None and found[0] == along[0]
+    dim, order = found
+    parts = []
+    for i in order:
+        p, c = pieces[i], chunks[pieces[i].chunk]
+        parts.append(
+            full[Box(tuple(a + b for a, b in zip(c.offsets, p.src_offsets)), p.sizes).slices()]
+        )
+    assert torch.equal(torch.cat(parts, dim=dim), full[box.slices()])
+
+
+def test_concat_order_refuses_gaps_and_partial_pieces() -> None:
+    a = Piece(0, (0, 0), (0, 0), (4, 2))
+    b = Piece(1, (0, 0), (0, 2), (4, 3))
+    assert concat_order([b, a], (4, 5)) == (1, [1, 0])
+    assert concat_order([a, b], (4, 6)) is None  # a column is missing
+    assert concat_order([a, Piece(1, (0, 0), (0, 3), (4, 2))], (4, 5)) is None  # a gap
+    assert concat_order([a, Piece(1, (0, 0), (1, 2), (3, 3))], (4, 5)) is None  # short rows
+    assert concat_order([a], (4, 2)) is None
+    assert concat_order([a, Piece(1, (0, 0), (0, 2), (4, 0)), b], (4, 5)) is None  # empty
 
 
 def test_contiguous_runs_merge_trailing_dims() -> None:
