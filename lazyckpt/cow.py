@@ -14,6 +14,7 @@ kept, so no write a live tensor can see is lost.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import mmap
 import os
@@ -77,9 +78,12 @@ STREAM_DEFER = 16 << 20
 :class:`PrivatePages`): a consumer that writes each view in place holds at most this much of
 written pages beyond its current tensor."""
 
-_PAGEMAP: dict[int, int] = {}
-"""``/proc/self/pagemap`` opened once per process, by pid (an entry of 8 bytes per page of the
-address space): a forked child inherits the descriptor, which still reads its parent's map."""
+_pagemap: list[int] = []
+"""``/proc/self/pagemap`` opened once per process (an entry of 8 bytes per page of the address
+space). A forked child inherits the descriptor, which still reads its parent's map: it is
+closed there at the fork (:func:`_after_fork_in_child`), not looked up by pid, as ``getpid``
+is a system call per view."""
+_PAGEMAP_LOCK = threading.Lock()
 _ANON = 1 << 63 | 1 << 61
 """Pagemap bits: present, and file page (clear for a private copy written into)."""
 
@@ -91,10 +95,11 @@ def _written(at: int) -> bool:
     dropping pages that were only read, which costs as much as unmapping them (68 ms for 2 GB
     of views here). Where the page map cannot be read, the answer is yes."""
     try:
-        pid = os.getpid()
-        fd = _PAGEMAP.get(pid)
-        if fd is None:
-            fd = _PAGEMAP[pid] = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        if not _pagemap:
+            with _PAGEMAP_LOCK:  # views of two files may go on two threads at once
+                if not _pagemap:
+                    _pagemap.append(os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
+        fd = _pagemap[0]
         entry = int.from_bytes(os.pread(fd, 8, at // mmap.PAGESIZE * 8), "little")
     except (OSError, ValueError):
         return True
@@ -125,6 +130,8 @@ class PrivatePages:
         self._live: dict[int, tuple[int, int, int, weakref.ref[memoryview]]] = {}
         self._died: collections.deque[weakref.ref[memoryview]] = collections.deque()
         """Weak references of views that went while ``defer`` was set, not yet read."""
+        self._died_append = self._died.append
+        """Their callback (one bound method for all of them)."""
         self._gone: list[tuple[int, int, int]] = []
         """Views that went and were not checked yet: ``(start, stop, probe)``."""
         self._gone_bytes = 0
@@ -143,7 +150,7 @@ class PrivatePages:
             return
         with self._lock:
             if self.defer:
-                ref = weakref.ref(window, self._died.append)
+                ref = weakref.ref(window, self._died_append)
                 if self._died:
                     self._collect()
             else:
@@ -256,8 +263,15 @@ callbacks, and no page was given back from then on."""
 
 def _after_fork_in_child() -> None:
     # A lock held by another thread of the parent (dropping pages) would stay held here.
+    global _PAGEMAP_LOCK
+    _PAGEMAP_LOCK = threading.Lock()
     for pages in _ACTIVE:
         pages._lock = threading.RLock()
+    # The parent's page map: this process reads its own.
+    for fd in _pagemap:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _pagemap.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -10,6 +10,7 @@ tensor already in memory (``reshard_tensor``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,10 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major element strides of a tensor of ``sizes``."""
+    """Row-major element strides of a tensor of ``sizes`` (cached: asked for every key a load
+    indexes and plans, whose layers repeat the same shapes)."""
     strides = [1] * len(sizes)
     for d in range(len(sizes) - 2, -1, -1):
         strides[d] = strides[d + 1] * max(sizes[d + 1], 1)

@@ -183,8 +183,8 @@ def _stream(
     stats = options.stats if options.stats is not None else LoadStats()
     device = options.target_device
     pool = PinnedPool() if device.type == "cuda" else None
-    total = sum(p.nbytes for p in plans)
-    bar = byte_bar(total, "loading", enabled=options.progress)
+    source_bytes = [p.nbytes for p in plans]
+    bar = byte_bar(sum(source_bytes), "loading", enabled=options.progress)
     stats.start()
     dtypes = [output_dtype(p.entry.dtype, options.dtype) for p in plans]
     # Memory each delivered tensor takes (a cast to a wider dtype takes more).
@@ -228,8 +228,7 @@ def _stream(
                 if nbytes >= _AHEAD_BYTES:
                     return
 
-        def build(i: int) -> tuple[TensorPlan, torch.Tensor, bool]:
-            plan = plans[i]
+        def build(i: int) -> tuple[int, torch.Tensor, bool]:
             if views[i]:
                 if i not in found:
                     find_ahead(i)
@@ -237,9 +236,9 @@ def _stream(
                 if isinstance(spot, Exception):
                     raise spot
                 if spot is not None:
-                    return plan, reader.view_at(spot), True
+                    return i, reader.view_at(spot), True
             tensor, is_view = build_tensor(
-                plan,
+                plans[i],
                 reader,
                 dtypes[i],
                 device=device,
@@ -248,7 +247,7 @@ def _stream(
                 buffers=buffers,
                 try_view=not views[i],  # else the reader found that it cannot be one
             )
-            return plan, tensor, is_view
+            return i, tensor, is_view
 
         items = prefetched(
             range(len(plans)),
@@ -261,12 +260,16 @@ def _stream(
         # Closed before the reader: a stream left early (break, close(), an error) stops and
         # joins the prefetch worker while the files it reads are still open (else it reopens
         # them into a closed reader, and they stay open).
+        # Looked up once: a stream of views spends its time per key.
+        update = bar.update if options.progress else None
+        deliver = deliverer.deliver if deliverer.mesh is not None else None
         with contextlib.closing(items):
-            for plan, tensor, viewed in items:
-                nbytes = plan.nbytes
-                stats.add_delivered(nbytes, view=viewed)
-                bar.update(nbytes)
-                out = deliverer.deliver(plan, tensor)
+            for i, tensor, viewed in items:
+                plan = plans[i]
+                stats.add_delivered(source_bytes[i], view=viewed)
+                if update is not None:
+                    update(source_bytes[i])
+                out = tensor if deliver is None else deliver(plan, tensor)
                 del tensor
                 yield plan.key, out
                 del out

@@ -288,7 +288,7 @@ class _TensorStub:
             self.storage,
             0,
             self.shape,
-            contiguous_strides(self.shape),
+            (*contiguous_strides(self.shape),),  # its own tuple too: the strides are cached
             False,
             collections.OrderedDict(),
         )
