@@ -435,8 +435,9 @@ class Reader:
         key: str,
     ) -> bool:
         """Copy ``pieces`` into ``dst`` (the whole box) with one ``torch.cat`` when they fill it
-        side by side along one dim (:func:`lazyckpt.plan.concat_order`); False, having read
-        nothing, when they do not or cannot be taken as ``dtype`` from the mappings.
+        side by side along one dim (:func:`lazyckpt.plan.concat_order`); False, having copied
+        nothing (a DCP chunk may have been located), when they do not or cannot be taken as
+        ``dtype`` from the mappings.
 
         Why: a key split on dim 1 over ranks' files arrives as column blocks, and copying them
         block by block writes each row of ``dst`` in short strided runs, one pass per block.
