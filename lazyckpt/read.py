@@ -267,9 +267,9 @@ class Reader:
         assert isinstance(data, FileRegion)  # tensors are handled by the callers
         return data
 
-    def _count(self, path: Path, nbytes: int) -> None:
+    def _count(self, f: _OpenFile, nbytes: int) -> None:
         if self.stats is not None:
-            self.stats.add_read(str(path), nbytes)
+            self.stats.add_read(f.name, nbytes)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -311,8 +311,7 @@ class Reader:
     def view_at(self, spot: ViewSpot) -> torch.Tensor:
         """The view :meth:`find_view` found."""
         f, dtype, sizes = spot.file, spot.dtype, spot.sizes
-        if self.stats is not None:
-            self.stats.add_read(f.name, math.prod(sizes) * dtype.itemsize)
+        self._count(f, math.prod(sizes) * dtype.itemsize)
         if f.pages is None:  # not mapped yet: mapped once, whichever thread asks first
             with self._lock:
                 f.mapping()
@@ -336,7 +335,6 @@ class Reader:
         box_strides = contiguous_strides(sizes)
         runs: list[tuple[int, int, int]] = []
         files: list[_OpenFile] = []
-        regions: list[FileRegion] = []
         for piece in pieces:
             chunk = chunks[piece.chunk]
             if isinstance(chunk.data, torch.Tensor) or not is_dense(piece.sizes, box_strides):
@@ -349,7 +347,6 @@ class Reader:
             dst = element_offset(piece.dst_offsets, box_strides) * itemsize
             runs.append((dst, first, piece.numel * itemsize))
             files.append(f)
-            regions.append(region)
         order = sorted(range(len(runs)), key=lambda i: runs[i][0])
         plan = plan_stitch([runs[i] for i in order], stitch.PAGE)
         total = sum(r[2] for r in runs)
@@ -367,7 +364,7 @@ class Reader:
         buffer = unmap.lease(built)
         del built
         for i in order:
-            self._count(regions[i].path, runs[i][2])
+            self._count(files[i], runs[i][2])
         flat = torch.frombuffer(buffer, dtype=dtype, count=total // itemsize, offset=plan.shift)
         return flat.view(sizes)
 
@@ -384,7 +381,7 @@ class Reader:
         if not is_dense(piece.sizes, region.strides):
             return None
         f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        self._count(region.path, nbytes)
+        self._count(f, nbytes)
         out = bytearray(nbytes)
         _pread_into(f, first, memoryview(out), key)
         return out
@@ -422,7 +419,7 @@ class Reader:
             else:
                 flat = self._flat(f, dtype)
                 dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
-            self._count(region.path, piece.numel * itemsize)
+            self._count(f, piece.numel * itemsize)
         else:
             self._pread(region, dtype, piece, dst_view, key)
 
@@ -470,7 +467,7 @@ class Reader:
             parts.append(flat.as_strided(piece.sizes, region.strides, first // itemsize))
         torch.cat(parts, dim=dim, out=dst)
         for f, _, piece, _ in sources:
-            self._count(f.path, piece.numel * itemsize)
+            self._count(f, piece.numel * itemsize)
         return True
 
     def direct_reads(
@@ -567,7 +564,7 @@ class Reader:
                 at = dst * itemsize
                 _pread_into(f, first + src * itemsize, memory[at : at + run_bytes], key)
             read = needed
-        self._count(region.path, read)
+        self._count(f, read)
         if target is not dst_view:
             dst_view.copy_(target)
 
@@ -647,7 +644,7 @@ class ReadQueue:
         if not calls:
             return
         for c in calls:
-            self._reader._count(c.file.path, c.nbytes)
+            self._reader._count(c.file, c.nbytes)
         self._calls.extend(calls)
         self._queued.release(len(calls))
         if self._done is None:
