@@ -75,8 +75,10 @@ def private_pages(
 
 STREAM_DEFER = 16 << 20
 """Bytes of views that went which ``lazy_load`` gathers before checking them for writes (see
-:class:`PrivatePages`): a consumer that writes each view in place holds at most this much of
-written pages beyond its current tensor."""
+:class:`PrivatePages`) when a view is made. The stream also checks them all before each batch
+of views it makes ahead (:meth:`PrivatePages.settle`): a consumer that writes each view in place
+holds the written pages of at most one batch (``lazyckpt.loader._AHEAD_BYTES``, or one tensor
+past it)."""
 
 _pagemap: list[int] = []
 """``/proc/self/pagemap`` opened once per process (an entry of 8 bytes per page of the address
@@ -115,14 +117,15 @@ class PrivatePages:
     last view could hand the mapping to the unmapping thread, and the address to the next
     mapping, while its pages were being dropped.
 
-    While a stream runs (``defer``), the views that went are checked for writes in batches, once
-    ``defer`` bytes of them have gone, before a new view is made over their pages, and when the
-    stream ends (:meth:`flush`): each check is a read of the page map, and one between the
+    While a stream runs (``defer``), the views that went are checked for writes in batches: when
+    the stream is about to make its next batch of views (:meth:`settle`), when a view is made
+    once ``defer`` bytes of them have gone, before a new view is made over their pages, and when
+    the stream ends (:meth:`flush`). Each check is a read of the page map, and one between the
     consumer's kernels cost 4-7 us here against ~1.5 back to back. Meanwhile a view that goes
-    runs no Python: its weak reference's callback is a deque's ``append``, read when the next
-    view is made (the consumer's ``del`` cost 7 us a view in a fresh process with a Python
-    callback). Written pages then outlive their view by at most ``defer`` bytes of views, or
-    until the next view or the end of the stream."""
+    runs no Python: its weak reference's callback is a deque's ``append``, read when views are
+    next made or checked (the consumer's ``del`` cost 7 us a view in a fresh process with a
+    Python callback). Written pages then outlive their view by at most one batch of the stream,
+    or until the end of the stream."""
 
     def __init__(self, lease: ctypes.Array[ctypes.c_char], defer: int = 0) -> None:
         self._lease = lease
@@ -161,6 +164,16 @@ class PrivatePages:
                 self._flush(start, stop)
             self._live[id(ref)] = (start, stop, probe, ref)
             _ACTIVE.add(self)  # reachable while a view lives, though the reader has let go
+
+    def settle(self) -> None:
+        """Count the views that went meanwhile as gone and check every view that went, whatever
+        ``defer`` says: a stream that makes views in batches does it before each batch, so the
+        written pages of the last batch are given back before the next one is made."""
+        if self._died or self._gone:
+            with self._lock:
+                self._collect()
+                if self._gone:
+                    self._flush()
 
     def _collect(self) -> None:
         """Count the views that went meanwhile (``_died``) as gone; check them once ``defer``

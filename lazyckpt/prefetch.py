@@ -3,8 +3,8 @@
 Items that cost memory (copies into new buffers) are built on a worker thread in order and
 handed over; ``Tensor.copy_`` and ``preadv`` release the GIL, so reading overlaps whatever the
 caller does with the current tensor. Items that cost nothing (zero-copy views of a mapped file)
-are built by the caller when their turn comes: handing them between threads, or preparing them
-ahead (faulting their pages in), measured slower than building them in place, since the worker
+are built by the caller (``lazy_load`` makes them a batch ahead, on the caller's thread):
+handing them between threads, or faulting their pages in ahead, measured slower, since the worker
 and the caller then contend for the GIL.
 
 The budget bounds how far the worker runs ahead, counting the bytes of built items the caller

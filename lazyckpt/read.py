@@ -146,6 +146,11 @@ class ViewSpot(NamedTuple):
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
 
+    @property
+    def stop(self) -> int:
+        """Byte offset just past the last element."""
+        return self.first + self.elements * self.dtype.itemsize
+
 
 class Reader:
     """Copies pieces of chunks into destinations, keeping files open for one load.
@@ -308,15 +313,32 @@ class Reader:
         readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
         return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
 
-    def view_at(self, spot: ViewSpot) -> torch.Tensor:
-        """The view :meth:`find_view` found."""
+    def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor:
+        """The view :meth:`find_view` found. ``count=False``: its bytes are not counted as read
+        here but by :meth:`hand_out`, when the view is handed out (a stream makes views
+        ahead, and one it never hands out was never read)."""
         f, dtype, sizes = spot.file, spot.dtype, spot.sizes
-        self._count(f, math.prod(sizes) * dtype.itemsize)
+        if count:
+            self._count(f, math.prod(sizes) * dtype.itemsize)
         if f.pages is None:  # not mapped yet: mapped once, whichever thread asks first
             with self._lock:
                 f.mapping()
-        window = f.window(spot.first, spot.first + spot.elements * dtype.itemsize, spot.probe)
+        window = f.window(spot.first, spot.stop, spot.probe)
         return torch.frombuffer(window, dtype=dtype).as_strided(sizes, spot.strides)
+
+    def hand_out(self, spot: ViewSpot) -> None:
+        """A view made ahead with ``view_at(spot, count=False)`` is handed out: count its bytes
+        as read."""
+        self._count(spot.file, math.prod(spot.sizes) * spot.dtype.itemsize)
+
+    def settle_views(self) -> None:
+        """Check every view of the mapped files that went, and give back the pages of those
+        written into (:meth:`lazyckpt.cow.PrivatePages.settle`): a stream does it before each
+        batch of views it makes ahead."""
+        for f in list(self._files.values()):
+            pages = f.pages
+            if pages is not None:
+                pages.settle()
 
     def stitch(
         self,

@@ -192,6 +192,37 @@ def test_a_stream_left_early_leaves_no_file_open_and_no_tensor_alive(
     assert not [st for st in states if st.ready], "prefetched tensors kept after the stream ended"
 
 
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps: Linux")
+def test_views_made_ahead_are_counted_when_handed_out_and_dropped_with_the_stream(
+    tmp_path: Path,
+) -> None:
+    # The stream makes the views of a batch of keys before it hands out the first: bytes read
+    # count the views handed out, not the ones made ahead, and closing the stream early drops
+    # the rest (the mapping goes with the last of them).
+    from lazyckpt import unmap
+
+    full = {f"k{i}": torch.randn(64, 32) for i in range(10)}
+    save_file(full, tmp_path / "m.safetensors")
+    stats = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
+    key, t = next(stream)
+    assert key == "k0" and torch.equal(t, full["k0"])
+    assert (stats.views, stats.total_bytes_read) == (1, t.nbytes)
+    stream.close()  # type: ignore[attr-defined]
+    assert stats.total_bytes_read == t.nbytes
+    assert _mapped(tmp_path / "m.safetensors")  # the view in hand keeps the mapping
+    del t
+    gc.collect()
+    unmap.wait()
+    assert not _mapped(tmp_path / "m.safetensors")
+
+
 _CAST_PEAK = """
 import gc, sys, threading, time
 import torch, lazyckpt
