@@ -32,9 +32,10 @@ __all__ = ["TensorPlan", "check_shard_dims", "entry_path", "plan_entry", "plan_l
 _MAX_DIM = (1 << 63) - 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class TensorPlan:
-    """How to build one key's target tensor."""
+    """How to build one key's target tensor. Read-only, though not frozen: a load plans every
+    key, and a frozen ``__init__`` costs five times as much (see :class:`TensorEntry`)."""
 
     entry: TensorEntry
     shard_dim: int | None

@@ -38,9 +38,13 @@ class PlanError(ValueError):
     """Shapes that cannot be planned: bad dims, gaps, overlaps, mismatched chunks."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Box:
-    """A hyper-rectangle of a tensor: ``offsets[d] <= i[d] < offsets[d] + sizes[d]``."""
+    """A hyper-rectangle of a tensor: ``offsets[d] <= i[d] < offsets[d] + sizes[d]``.
+
+    Equal and hashed by value (planning caches key on boxes), but not frozen: a load makes one
+    per key at least, and a frozen ``__init__`` costs five times as much. Treat it as
+    read-only."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -190,10 +194,10 @@ def check_tiling(shape: Sequence[int], chunks: Sequence[Box]) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Piece:
     """Copy ``sizes`` elements from chunk ``chunk`` at chunk-local ``src_offsets`` to the
-    target box at box-local ``dst_offsets``."""
+    target box at box-local ``dst_offsets``. Read-only, as :class:`Box`."""
 
     chunk: int
     src_offsets: tuple[int, ...]

@@ -21,9 +21,10 @@ __all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "
 _MAX_INDEX_BYTES = 256 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class FileTensor:
-    """One tensor found in a file's metadata."""
+    """One tensor found in a file's metadata (read-only; not frozen, see
+    :class:`lazyckpt.index.TensorEntry`)."""
 
     key: str
     dtype: torch.dtype
