@@ -259,9 +259,10 @@ def plan_pieces(box: Box, chunks: Sequence[Box]) -> list[Piece]:
     return pieces
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Runs:
     """A strided copy seen as ``count`` runs of ``length`` contiguous elements on both sides.
+    Read-only, though not frozen (made per piece read; see :class:`Box`).
 
     Run ``k`` (the multi-index ``i`` over ``outer_sizes``) starts at element
     ``sum(i * src_strides)`` of the source and ``sum(i * dst_strides)`` of the destination.
