@@ -215,7 +215,7 @@ def _stream(
             """Find the views of keys ``i`` on (see ``Reader.find_view``), within
             ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES``, and make them. A loop of views, with
             the check of the views that went for writes before it (``Reader.settle_views``),
-            costs a fresh process 3-4% less of an HF load than making and checking each view
+            costs a fresh process 2-3% less of an HF load than making and checking each view
             between two of the consumer's tensors, whose code and data it pushes out of the
             CPU's caches (see benchmarks/README.md); written pages then outlive their view by
             at most one batch. A view that shares bytes with a key found before it (tied
