@@ -151,6 +151,11 @@ class ViewSpot(NamedTuple):
         """Byte offset just past the last element."""
         return self.first + self.elements * self.dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the view's elements (what it counts as read)."""
+        return math.prod(self.sizes) * self.dtype.itemsize
+
 
 class Reader:
     """Copies pieces of chunks into destinations, keeping files open for one load.
@@ -317,19 +322,19 @@ class Reader:
         """The view :meth:`find_view` found. ``count=False``: its bytes are not counted as read
         here but by :meth:`hand_out`, when the view is handed out (a stream makes views
         ahead, and one it never hands out was never read)."""
-        f, dtype, sizes = spot.file, spot.dtype, spot.sizes
+        f, dtype = spot.file, spot.dtype
         if count:
-            self._count(f, math.prod(sizes) * dtype.itemsize)
+            self._count(f, spot.nbytes)
         if f.pages is None:  # not mapped yet: mapped once, whichever thread asks first
             with self._lock:
                 f.mapping()
         window = f.window(spot.first, spot.stop, spot.probe)
-        return torch.frombuffer(window, dtype=dtype).as_strided(sizes, spot.strides)
+        return torch.frombuffer(window, dtype=dtype).as_strided(spot.sizes, spot.strides)
 
     def hand_out(self, spot: ViewSpot) -> None:
         """A view made ahead with ``view_at(spot, count=False)`` is handed out: count its bytes
         as read."""
-        self._count(spot.file, math.prod(spot.sizes) * spot.dtype.itemsize)
+        self._count(spot.file, spot.nbytes)
 
     def settle_views(self) -> None:
         """Check every view of the mapped files that went, and give back the pages of those
