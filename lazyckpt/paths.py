@@ -26,21 +26,25 @@ def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
         raise CorruptModelCheckpointError(
             cited_by, f"names the file {name!r}, which is not a file name"
         )
-    posix, windows = PurePosixPath(name), PureWindowsPath(name)
-    if (
-        posix.is_absolute()
-        or windows.is_absolute()
-        or windows.drive
-        or ".." in posix.parts
-        or (".." in windows.parts)
-    ):
-        raise CorruptModelCheckpointError(
-            cited_by,
-            f"names the file {name!r}, which lies outside the checkpoint folder; "
-            "an index may only name files inside its own folder",
-        )
+    # A plain name (no separator, drive or dot entry) cannot leave the folder by its
+    # spelling: it skips the parsing below, which cost 16 us a file (a set of 8 rank files).
+    plain = not ("/" in name or "\\" in name or ":" in name or name in (".", ".."))
+    if not plain:
+        posix, windows = PurePosixPath(name), PureWindowsPath(name)
+        if (
+            posix.is_absolute()
+            or windows.is_absolute()
+            or windows.drive
+            or ".." in posix.parts
+            or (".." in windows.parts)
+        ):
+            raise CorruptModelCheckpointError(
+                cited_by,
+                f"names the file {name!r}, which lies outside the checkpoint folder; "
+                "an index may only name files inside its own folder",
+            )
     full = folder / name
-    if "/" not in name and "\\" not in name:
+    if plain:
         # A plain name that is a regular file, not a symlink, is inside the folder as it
         # stands: one lstat instead of resolving every component of the path.
         try:

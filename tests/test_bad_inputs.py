@@ -553,6 +553,23 @@ def test_index_path_escapes_the_folder(tmp_path: Path, fmt: str, how: str) -> No
     fails(tmp_path / "ckpt", CORRUPT, (culprit,), eager=True)
 
 
+@pytest.mark.parametrize(
+    "name", ["..", ".", "../x.bin", "a/../../x.bin", "/etc/hosts", "C:x.bin", "..\\x.bin", ""]
+)
+def test_member_names_that_could_leave_the_folder_are_refused(tmp_path: Path, name: str) -> None:
+    # Plain names skip the path parsing (a rank set's files): a name with a separator, a drive,
+    # a dot entry, or none at all must still be refused, whatever the folder holds.
+    from lazyckpt.paths import member_path
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "x.bin").write_bytes(b"x")
+    (tmp_path / "x.bin").write_bytes(b"x")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError):
+        member_path(folder, name, cited_by=folder)
+    assert member_path(folder, "x.bin", cited_by=folder) == folder / "x.bin"
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_symlink_out_of_a_folder_without_index(tmp_path: Path, fmt: str) -> None:
     suffix, _, save = FMTS[fmt]

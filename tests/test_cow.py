@@ -218,3 +218,26 @@ def test_views_taken_whole_then_written_after_a_collection_give_pages_back(
         del t
         peak = max(peak, _rss_anon())
     assert peak - base < 3 * one + (4 << 20), (peak - base) >> 20
+
+
+def test_copies_from_the_mapping_watch_nothing_views_do(tmp_path: Path) -> None:
+    # load_into copies column blocks from the mapping and hands out no view: nothing of its
+    # views is watched (and nothing to close). A view made later watches the mapping.
+    from lazyckpt.loaders import detect_loader
+    from lazyckpt.plan import Piece
+    from lazyckpt.read import Reader
+
+    full = torch.arange(64 * 96, dtype=torch.float32).view(64, 96)
+    path = tmp_path / "m.safetensors"
+    save_file({"w": full}, path)
+    (chunk,) = detect_loader(path).index(path).entries["w"].chunks
+    with Reader() as reader:
+        columns = Piece(0, (0, 32), (0, 0), (64, 32))  # rows of 128 B: copied from the mapping
+        dst = torch.zeros(64, 32)
+        reader.copy(chunk, torch.float32, columns, dst, "w")
+        assert torch.equal(dst, full[:, 32:64])
+        (opened,) = reader._files.values()
+        assert opened.flats and opened.pages is None
+        view = reader.view(chunk, torch.float32, Piece(0, (8, 0), (0, 0), (8, 96)), "w")
+        assert view is not None and torch.equal(view, full[8:16])
+        assert opened.pages is not None
