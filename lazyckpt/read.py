@@ -401,22 +401,31 @@ class Reader:
         flat = torch.frombuffer(buffer, dtype=dtype, count=total // itemsize, offset=plan.shift)
         return flat.view(sizes)
 
-    def raw(self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str) -> bytearray | None:
-        """The bytes of ``piece``, read with ``pread``, when they are one range of a file and
-        at most ``_RAW_BYTES`` (else None): replica checks compare these, without mapping the
-        file or building a tensor per copy."""
-        if isinstance(chunk.data, torch.Tensor):
-            return None
-        nbytes = piece.numel * dtype.itemsize
-        if not 0 < nbytes <= _RAW_BYTES:
-            return None
-        region = self._region(chunk)
-        if not is_dense(piece.sizes, region.strides):
-            return None
-        f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-        self._count(f, nbytes)
-        out = bytearray(nbytes)
-        _pread_into(f, first, memoryview(out), key)
+    def raws(
+        self, parts: Sequence[tuple[Chunk, Piece]], dtype: torch.dtype, key: str
+    ) -> list[bytearray] | None:
+        """The bytes of each ``(chunk, piece)``, read with ``pread``, when every one is one
+        range of a file and at most ``_RAW_BYTES``; else None, having read nothing. Replica
+        checks compare these, without mapping the files or building a tensor per copy: all of
+        a key's copies located, then read, in two loops."""
+        itemsize = dtype.itemsize
+        spots = []
+        for chunk, piece in parts:
+            nbytes = piece.numel * itemsize
+            if isinstance(chunk.data, torch.Tensor) or not 0 < nbytes <= _RAW_BYTES:
+                return None
+            region = self._region(chunk)
+            if not is_dense(piece.sizes, region.strides):
+                return None
+            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            spots.append((f, first, nbytes))
+        out = []
+        for f, first, nbytes in spots:
+            buf = bytearray(nbytes)
+            if os.preadv(f.fd, [buf], first) != nbytes:  # a short read: finish it, or fail
+                _pread_into(f, first, memoryview(buf), key)
+            self._count(f, nbytes)
+            out.append(buf)
         return out
 
     def copy(
