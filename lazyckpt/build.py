@@ -229,9 +229,10 @@ def _verified(plan: TensorPlan, reader: Reader) -> torch.Tensor:
     the mapped files or copies."""
     copies = ((plan.copy, plan.pieces), *plan.verify)
     wholes = [_whole(plan, copy, pieces) for copy, pieces in copies]
+    parts = [whole for whole in wholes if whole is not None]
     raws = None
-    if None not in wholes:
-        raws = reader.raws(wholes, plan.entry.dtype, plan.entry.checkpoint_key)  # type: ignore[arg-type]
+    if len(parts) == len(wholes):
+        raws = reader.raws(parts, plan.entry.dtype, plan.entry.checkpoint_key)
     if raws is not None:
         first_raw = raws[0]
         for (copy, pieces), raw in zip(plan.verify, raws[1:]):
