@@ -57,6 +57,24 @@ def test_index_wins_over_loose_files_and_says_so(tmp_path: Path) -> None:
     assert index.files == [tmp_path / "model-00001-of-00001.safetensors"]
 
 
+def test_of_several_index_files_the_usual_name_wins_else_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.zeros(3)}, tmp_path / "b.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "a.safetensors"}}')
+    (tmp_path / "ema.safetensors.index.json").write_text('{"weight_map": {"w": "b.safetensors"}}')
+    loader = detect_loader(tmp_path)
+    index = loader.index(tmp_path)
+    assert index.path == tmp_path / "model.safetensors.index.json"
+    assert index.entries["w"].shape == (2,)
+    assert any("b.safetensors" in n for n in index.notes)
+    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "base.safetensors.index.json")
+    with pytest.raises(
+        lazyckpt.CorruptModelCheckpointError,
+        match=r"2 index files \(base\.safetensors\.index\.json, ema\.safetensors\.index\.json\)",
+    ):
+        loader.index(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("files", "message"),
     [

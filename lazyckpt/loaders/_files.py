@@ -4,6 +4,7 @@ files, or a Hugging Face ``*.index.json`` naming the file of every key."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,18 +46,17 @@ class FileSet:
 
 def find_index_file(folder: Path, suffix: str, preferred: str) -> Path | None:
     """The folder's index file ending in ``suffix`` (``preferred`` wins among several)."""
-    found = [p for p in folder.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")]
+    # Names, not Path objects: this runs before every load of a folder.
+    found = [n for n in os.listdir(folder) if n.endswith(suffix) and not n.startswith(".")]
     if not found:
         return None
     if len(found) == 1:
-        return found[0]
-    for p in found:
-        if p.name == preferred:
-            return p
+        return folder / found[0]
+    if preferred in found:
+        return folder / preferred
     raise CorruptModelCheckpointError(
         folder,
-        f"has {len(found)} index files ({', '.join(sorted(p.name for p in found))}); "
-        "pass the index file you mean",
+        f"has {len(found)} index files ({', '.join(sorted(found))}); pass the index file you mean",
     )
 
 
@@ -86,9 +86,9 @@ def read_hf_index(index_path: Path, data_suffixes: tuple[str, ...]) -> FileSet:
     files = sorted(wanted, key=lambda p: p.name)
     listed = {p.name for p in files}
     notes = [
-        f"ignored {p.name}: not listed in {index_path.name}"
-        for p in sorted(folder.iterdir())
-        if p.name.endswith(data_suffixes) and p.name not in listed and p.is_file()
+        f"ignored {name}: not listed in {index_path.name}"
+        for name in sorted(os.listdir(folder))
+        if name.endswith(data_suffixes) and name not in listed and (folder / name).is_file()
     ]
     metadata = doc.get("metadata")
     meta = {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}

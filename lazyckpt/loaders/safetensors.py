@@ -291,8 +291,7 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
             return p.name.endswith((SUFFIX, INDEX_SUFFIX))
         if p.is_dir():
             return any(
-                c.name.endswith((SUFFIX, INDEX_SUFFIX)) and not c.name.startswith(".")
-                for c in p.iterdir()
+                n.endswith((SUFFIX, INDEX_SUFFIX)) and not n.startswith(".") for n in os.listdir(p)
             )
         return False
 

@@ -64,8 +64,8 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
             return p.name.endswith(SUFFIXES + INDEX_SUFFIXES) or _has_zip_magic(p)
         if p.is_dir():
             return any(
-                c.name.endswith(SUFFIXES + INDEX_SUFFIXES) and not c.name.startswith(".")
-                for c in p.iterdir()
+                n.endswith(SUFFIXES + INDEX_SUFFIXES) and not n.startswith(".")
+                for n in os.listdir(p)
             )
         return False
 
