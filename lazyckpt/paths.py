@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from lazyckpt.errors import CorruptModelCheckpointError
 
-__all__ = ["list_files", "member_path"]
+__all__ = ["list_files", "member_path", "names_ending"]
 
 
 def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
@@ -81,17 +81,19 @@ def _is_hub_blob(root: Path, resolved: Path) -> bool:
     return root.parent.name == "snapshots" and resolved.parent == root.parent.parent / "blobs"
 
 
+def names_ending(folder: Path, suffixes: str | tuple[str, ...]) -> list[str]:
+    """The names in ``folder`` (not recursive) ending in ``suffixes``, hidden ones skipped, in
+    listing order: names, not ``Path`` objects, as this runs before every load of a folder."""
+    return [n for n in os.listdir(folder) if n.endswith(suffixes) and not n.startswith(".")]
+
+
 def list_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """Files of ``folder`` (not recursive) ending in one of ``suffixes``, sorted by name, each
     checked by :func:`member_path`. Hidden files are skipped."""
     try:
-        names = sorted(os.listdir(folder))
+        names = sorted(names_ending(folder, suffixes))
     except OSError as exc:
         raise CorruptModelCheckpointError(
             folder, f"cannot be listed: {exc.strerror or exc}"
         ) from None
-    return [
-        member_path(folder, n, cited_by=folder)
-        for n in names
-        if n.endswith(suffixes) and not n.startswith(".")
-    ]
+    return [member_path(folder, n, cited_by=folder) for n in names]

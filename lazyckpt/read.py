@@ -68,7 +68,7 @@ _SLAB_BYTES = 8 << 20
 _ALIGN = 64
 """Bounce buffers are a multiple of this many bytes: a whole number of any dtype's elements."""
 _RAW_BYTES = 1 << 20
-"""Largest piece :meth:`Reader.raw` hands out as bytes (a copy; replica norms are a few KiB)."""
+"""Largest piece :meth:`Reader.raws` hands out as bytes (a copy; replica norms are a few KiB)."""
 
 
 class _OpenFile:

@@ -15,7 +15,7 @@ import torch
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, TensorEntry, add_entry
 from lazyckpt.loader import KeyRules
-from lazyckpt.paths import list_files, member_path
+from lazyckpt.paths import list_files, member_path, names_ending
 
 __all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "read_hf_index"]
 
@@ -46,8 +46,7 @@ class FileSet:
 
 def find_index_file(folder: Path, suffix: str, preferred: str) -> Path | None:
     """The folder's index file ending in ``suffix`` (``preferred`` wins among several)."""
-    # Names, not Path objects: this runs before every load of a folder.
-    found = [n for n in os.listdir(folder) if n.endswith(suffix) and not n.startswith(".")]
+    found = names_ending(folder, suffix)
     if not found:
         return None
     if len(found) == 1:

@@ -28,6 +28,7 @@ from lazyckpt.loaders._files import (
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.paths import names_ending
 from lazyckpt.readahead import no_readahead
 
 __all__ = ["SafetensorsCheckpointLoader", "read_safetensors_header"]
@@ -290,9 +291,7 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
         if p.is_file():
             return p.name.endswith((SUFFIX, INDEX_SUFFIX))
         if p.is_dir():
-            return any(
-                n.endswith((SUFFIX, INDEX_SUFFIX)) and not n.startswith(".") for n in os.listdir(p)
-            )
+            return bool(names_ending(p, (SUFFIX, INDEX_SUFFIX)))
         return False
 
     def build_index(

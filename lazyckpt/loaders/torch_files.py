@@ -18,6 +18,7 @@ from lazyckpt.loaders._files import (
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.paths import names_ending
 from lazyckpt.readahead import no_readahead
 from lazyckpt.torch_zip import ZIP_MAGIC, read_torch_archive
 
@@ -63,10 +64,7 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
                 return False
             return p.name.endswith(SUFFIXES + INDEX_SUFFIXES) or _has_zip_magic(p)
         if p.is_dir():
-            return any(
-                n.endswith(SUFFIXES + INDEX_SUFFIXES) and not n.startswith(".")
-                for n in os.listdir(p)
-            )
+            return bool(names_ending(p, SUFFIXES + INDEX_SUFFIXES))
         return False
 
     def build_index(
