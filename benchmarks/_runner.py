@@ -554,6 +554,18 @@ def disk_read() -> int | None:
     return None
 
 
+def cpu_seconds() -> float | None:
+    """CPU time this process has used, user and system, all its threads (None where the
+    platform has no ``getrusage``). The limit copies with both cores for the whole run, so a
+    loader's CPU time beyond the limit's is what it adds: Python, faults, extra copies."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def child_main(spec: dict[str, Any], conn: Any) -> None:
     """Entry point of a measurement process (started by the fork server)."""
     try:
@@ -564,9 +576,12 @@ def child_main(spec: dict[str, Any], conn: Any) -> None:
         conn.send(("ready", rss_anon()))
         conn.recv()  # the parent's sampler is running
         disk = disk_read()
+        cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         out = run()
         seconds = time.perf_counter() - t0
+        cpu1 = cpu_seconds()
+        out["cpu_seconds"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         if disk is not None:
             after_disk = disk_read()
             out["disk_read"] = None if after_disk is None else after_disk - disk

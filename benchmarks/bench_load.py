@@ -159,6 +159,8 @@ def summarize(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         r["gbps"] = r["delivered"] / r["seconds"] / GB
         r["gbps_median"] = r["delivered"] / r["seconds_median"] / GB
         r["anon_peak"] = max(x["anon_peak"] for x in ok)
+        cpu = [x["cpu_seconds"] for x in ok if x.get("cpu_seconds") is not None]
+        r["cpu_seconds_median"] = statistics.median(cpu) if cpu else None
         r["bytes_read"] = ok[0]["bytes_read"]
         r["read_ratio"] = r["bytes_read"] / r["delivered"] if r["delivered"] else 1.0
         r["views"] = ok[0].get("views")
@@ -277,7 +279,7 @@ def versus(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     head = (
         f"{'scenario':<12} {'source':<4} {'loader':<23} {'GB/s':>6} {'median':>6} "
-        f"{'x limit':>7} {'anon MB':>8} {'read/deliv':>10} {'views':>7} {'check':>5}"
+        f"{'x limit':>7} {'CPU ms':>6} {'anon MB':>8} {'read/deliv':>10} {'views':>7} {'check':>5}"
     )
     lines = [head, "-" * len(head)]
     last = None
@@ -301,10 +303,12 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             )
             continue
         views = f"{r['views']}/{r['tensors']}" if r.get("views") is not None else ""
+        cpu = r.get("cpu_seconds_median")
         lines.append(
             f"{r['scenario']:<12} {r['fmt']:<4} {r['loader']:<23} {r['gbps']:6.2f} "
-            f"{r['gbps_median']:6.2f} {r.get('x_limit', 0):7.2f} {r['anon_peak'] / MB:8.0f} {r['read_ratio']:10.3f} "
-            f"{views:>7} {r['check']:>5}"
+            f"{r['gbps_median']:6.2f} {r.get('x_limit', 0):7.2f} "
+            f"{'' if cpu is None else f'{cpu * 1e3:.0f}':>6} {r['anon_peak'] / MB:8.0f} "
+            f"{r['read_ratio']:10.3f} {views:>7} {r['check']:>5}"
         )
     return "\n".join(lines)
 

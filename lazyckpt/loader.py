@@ -217,7 +217,7 @@ def _stream(
             the check of the views that went for writes before it (``Reader.settle_views``),
             costs a fresh process 2-3% less of an HF load than making and checking each view
             between two of the consumer's tensors, whose code and data it pushes out of the
-            CPU's caches (see benchmarks/README.md); written pages then outlive their view by
+            CPU's caches (see benchmarks/HISTORY.md); written pages then outlive their view by
             at most one batch. A view that shares bytes with a key found before it (tied
             keys) is made at its turn instead: the earlier key may be written into and dropped
             meanwhile, and the later view must then see the file, not those writes (the pages

@@ -3,7 +3,7 @@
 ``load_into`` copies short strided rows from the mappings while its reader thread is still
 running ``preadv``s. Split over torch's intra-op (OpenMP) threads, those copies contend with the
 reader for the same cores; on the caller alone they overlap with it (on a 2-core VM, MP-8
-into one process: 22 of ~300 ms less at the median of paired runs; see benchmarks/README.md).
+into one process: 22 of ~300 ms less at the median of paired runs; see benchmarks/HISTORY.md).
 
 ``torch.set_num_threads`` would change the whole process, and a thread that first runs a torch
 kernel meanwhile would keep the smaller count for good. The OpenMP runtime's own
