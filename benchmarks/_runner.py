@@ -32,6 +32,11 @@ from _ckpt import Scenario, box, box_numel, target_of, touch
 
 import lazyckpt
 
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 Timed = Callable[[], dict[str, Any]]
 
 _PIECE = 16 << 20
@@ -558,9 +563,7 @@ def cpu_seconds() -> float | None:
     """CPU time this process has used, user and system, all its threads (None where the
     platform has no ``getrusage``). The limit copies with both cores for the whole run, so a
     loader's CPU time beyond the limit's is what it adds: Python, faults, extra copies."""
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return None
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
