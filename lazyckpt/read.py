@@ -656,6 +656,10 @@ class DirectRead:
         )
 
 
+_HELPER_START_WAIT = 0.002
+"""Seconds :meth:`ReadQueue.put` waits at most for its helper thread to start."""
+
+
 class ReadQueue:
     """Direct reads run while the caller is still working out the next ones.
 
@@ -691,15 +695,25 @@ class ReadQueue:
         self._queued.release(len(calls))
         if self._done is None:
             self._done = threading.Event()
-            # Not threading.Thread: its start() waits for the thread to run (see lazyckpt.unmap).
-            _thread.start_new_thread(self._helper, ())
+            # Not threading.Thread, whose start() waits without a bound (see lazyckpt.unmap).
+            started = _thread.allocate_lock()
+            started.acquire()
+            _thread.start_new_thread(self._helper, (started,))
+            # The helper needs the GIL to reach its first preadv, and the caller holds it while
+            # it lists the next reads: left to the interpreter's switching, the first read
+            # started 1-2 ms after this call (medians of 12 fresh forks, HF and MP-8 0.25 GB
+            # ranks), a core idle meanwhile; 0.4-0.5 ms with this wait. Blocking here hands
+            # the GIL over until the helper releases it in its first preadv; bounded, for a
+            # host whose other core is busy.
+            started.acquire(timeout=_HELPER_START_WAIT)
 
     def reading(self) -> bool:
         """Whether calls are still queued for the helper (it has not run dry or failed)."""
         return self._done is not None and bool(self._calls) and not self._errors
 
-    def _helper(self) -> None:
+    def _helper(self, started: _thread.LockType) -> None:
         assert self._done is not None
+        started.release()  # the caller waits for the GIL until this thread's first preadv
         try:
             while True:
                 self._queued.acquire()

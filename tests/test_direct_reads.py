@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import lazyckpt
+from lazyckpt import read as read_module
 from lazyckpt.index import Chunk, FileRegion
 from lazyckpt.loaders import detect_loader
 from lazyckpt.plan import Piece
@@ -214,6 +215,39 @@ def test_the_helper_reads_while_the_caller_works_and_both_drain_the_queue(tmp_pa
             ]
             queue.put(rest)
         assert b"".join(outs) == data  # left to both threads on leaving the block
+    finally:
+        f.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("wait", [60.0, 0.0], ids=["waits-for-helper", "no-wait"])
+def test_the_first_put_hands_the_gil_to_the_helper_within_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: float
+) -> None:
+    # With room to wait, put() returns only once the helper runs (so its first read is not left
+    # waiting for the GIL while the caller lists more); with none, it returns at once. Either
+    # way every read is done on leaving the block.
+    data = bytes(range(256)) * 1024
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    monkeypatch.setattr(read_module, "_HELPER_START_WAIT", wait)
+    ran: list[bool] = []
+    helper = read_module.ReadQueue._helper
+
+    def recorded(self: read_module.ReadQueue, started: object) -> None:
+        ran.append(True)
+        helper(self, started)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(read_module.ReadQueue, "_helper", recorded)
+    f = _OpenFile(path)
+    reader = Reader()
+    try:
+        outs = [bytearray(4096) for _ in range(64)]
+        with reader.read_queue() as queue:
+            queue.put([DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(64)])
+            if wait:
+                assert ran == [True]
+        assert b"".join(outs) == data
     finally:
         f.close()
         reader.close()
