@@ -4,9 +4,11 @@ bits, whatever the destination's strides."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,20 @@ def truth() -> dict[str, torch.Tensor]:
         "w_out": torch.randn(1024, 512, generator=g),
         "scale": torch.tensor(1.5),
     }
+
+
+@contextlib.contextmanager
+def _file_and_reader(path: Path, data: bytes) -> Iterator[tuple[_OpenFile, Reader]]:
+    """``path`` written with ``data`` and open for direct reads, and a reader to queue them on;
+    both closed on the way out."""
+    path.write_bytes(data)
+    f = _OpenFile(path)
+    reader = Reader()
+    try:
+        yield f, reader
+    finally:
+        f.close()
+        reader.close()
 
 
 @pytest.fixture
@@ -180,11 +196,7 @@ def test_a_read_past_the_end_of_the_file_names_file_and_key(tmp_path: Path) -> N
 
 
 def test_errors_from_the_helper_thread_reach_the_caller(tmp_path: Path) -> None:
-    path = tmp_path / "short.bin"
-    path.write_bytes(b"x" * 65536)
-    f = _OpenFile(path)
-    reader = Reader()
-    try:
+    with _file_and_reader(tmp_path / "short.bin", b"x" * 65536) as (f, reader):
         bad = bytearray(40_000)
         error = pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'bad\.key'")
         with error, reader.read_queue() as queue:
@@ -192,18 +204,11 @@ def test_errors_from_the_helper_thread_reach_the_caller(tmp_path: Path) -> None:
             while queue._calls:  # the helper takes it; the caller goes on meanwhile
                 time.sleep(0.001)
         assert bad[:5536] == b"x" * 5536  # what the file had
-    finally:
-        f.close()
-        reader.close()
 
 
 def test_the_helper_reads_while_the_caller_works_and_both_drain_the_queue(tmp_path: Path) -> None:
     data = bytes(range(256)) * 4096  # 1 MiB
-    path = tmp_path / "data.bin"
-    path.write_bytes(data)
-    f = _OpenFile(path)
-    reader = Reader()
-    try:
+    with _file_and_reader(tmp_path / "data.bin", data) as (f, reader):
         outs = [bytearray(4096) for _ in range(256)]
         with reader.read_queue() as queue:
             queue.put([DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8)])
@@ -215,9 +220,6 @@ def test_the_helper_reads_while_the_caller_works_and_both_drain_the_queue(tmp_pa
             ]
             queue.put(rest)
         assert b"".join(outs) == data  # left to both threads on leaving the block
-    finally:
-        f.close()
-        reader.close()
 
 
 @pytest.mark.parametrize("wait", [60.0, 0.0], ids=["waits-for-helper", "no-wait"])
@@ -228,8 +230,6 @@ def test_the_first_put_hands_the_gil_to_the_helper_within_its_bound(
     # waiting for the GIL while the caller lists more); with none, it returns at once. Either
     # way every read is done on leaving the block.
     data = bytes(range(256)) * 1024
-    path = tmp_path / "data.bin"
-    path.write_bytes(data)
     monkeypatch.setattr(read_module, "_HELPER_START_WAIT", wait)
     ran: list[bool] = []
     helper = read_module.ReadQueue._helper
@@ -239,18 +239,13 @@ def test_the_first_put_hands_the_gil_to_the_helper_within_its_bound(
         helper(self, started)  # type: ignore[arg-type]
 
     monkeypatch.setattr(read_module.ReadQueue, "_helper", recorded)
-    f = _OpenFile(path)
-    reader = Reader()
-    try:
+    with _file_and_reader(tmp_path / "data.bin", data) as (f, reader):
         outs = [bytearray(4096) for _ in range(64)]
         with reader.read_queue() as queue:
             queue.put([DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(64)])
             if wait:
                 assert ran == [True]
         assert b"".join(outs) == data
-    finally:
-        f.close()
-        reader.close()
 
 
 @pytest.mark.parametrize("helper_fails", [False, True], ids=["helper-ok", "helper-fails-too"])
@@ -260,10 +255,6 @@ def test_an_error_in_the_callers_block_drops_the_queue(
     # The helper is held inside its first call until the caller has failed. Then it must stop
     # there (the rest was dropped, a bad call included); if that first call fails too, the
     # caller's own error is the one raised.
-    path = tmp_path / "data.bin"
-    path.write_bytes(b"y" * (1 << 20))
-    f = _OpenFile(path)
-    reader = Reader()
     entered, proceed = threading.Event(), threading.Event()
     offsets: list[int] = []
     real = os.preadv
@@ -276,25 +267,24 @@ def test_an_error_in_the_callers_block_drops_the_queue(
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", gated)
-    try:
-        outs = [bytearray(4096) for _ in range(8)]
-        calls = [DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8)]
-        past_end = bytearray(4096)  # fails when read
-        bad = DirectRead(f, 1 << 20, [memoryview(past_end)], 4096, "past.end")
-        calls.insert(0 if helper_fails else 1, bad)
-        with pytest.raises(KeyError, match="planning failed"), reader.read_queue() as queue:
-            queue.put(calls)
-            assert entered.wait(60)
-            # Let the helper go on only once the queue has been dropped on the way out.
-            threading.Timer(0.2, proceed.set).start()
-            raise KeyError("planning failed")
-        # The helper stopped after the call it was in (a failing one retries the same offset).
-        assert set(offsets) == {calls[0].offset}
-        assert not queue._calls
-    finally:
-        proceed.set()
-        f.close()
-        reader.close()
+    with _file_and_reader(tmp_path / "data.bin", b"y" * (1 << 20)) as (f, reader):
+        try:
+            outs = [bytearray(4096) for _ in range(8)]
+            calls = [DirectRead(f, 4096 * i, [memoryview(outs[i])], 4096, "k") for i in range(8)]
+            past_end = bytearray(4096)  # fails when read
+            bad = DirectRead(f, 1 << 20, [memoryview(past_end)], 4096, "past.end")
+            calls.insert(0 if helper_fails else 1, bad)
+            with pytest.raises(KeyError, match="planning failed"), reader.read_queue() as queue:
+                queue.put(calls)
+                assert entered.wait(60)
+                # Let the helper go on only once the queue has been dropped on the way out.
+                threading.Timer(0.2, proceed.set).start()
+                raise KeyError("planning failed")
+            # The helper stopped after the call it was in (a failing one retries the same offset).
+            assert set(offsets) == {calls[0].offset}
+            assert not queue._calls
+        finally:
+            proceed.set()
 
 
 class Deep(nn.Module):
