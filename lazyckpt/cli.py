@@ -257,7 +257,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "files": [{"path": str(f), "bytes": n} for f, n in files],
             "shard_dims": {"source": choice.source, "dims": dims},
             "notes": index.notes,
-            "metadata": index.metadata,
+            "metadata": dict(index.metadata),
             "keys": [
                 {
                     "key": e.key,

@@ -11,7 +11,7 @@ tensor already in memory (``reshard_tensor``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,8 +162,9 @@ class CheckpointIndex:
     """Human description of how the source is split (``MP-8``, ``3 files``, ...)."""
     notes: list[str] = field(default_factory=list)
     """Things worth telling a user who inspects it (ignored files, guesses made)."""
-    metadata: dict[str, str] = field(default_factory=dict)
-    """Free-form format metadata (safetensors ``__metadata__``, ``params.json`` ...)."""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    """Free-form format metadata (safetensors ``__metadata__``, ``params.json`` ...); may be
+    read only when first asked for."""
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries.values())

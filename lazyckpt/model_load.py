@@ -9,6 +9,7 @@ full tensor is built, no collective runs, each rank reads only its own bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -78,11 +79,13 @@ class _Target:
     tensor: torch.Tensor
     owners: list[tuple[nn.Module, str, bool]]
 
-    @property
+    # Cached: asked several times per key before the first read, and a DTensor's shape costs
+    # microseconds a call (more in a fresh process).
+    @functools.cached_property
     def is_dtensor(self) -> bool:
         return is_dtensor(self.tensor)
 
-    @property
+    @functools.cached_property
     def global_shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
 
@@ -233,7 +236,7 @@ def load_into(
     options = options or ModelCheckpointLoadOptions()
     targets = _targets(model)
     # The device only serves meta tensors, which are made there: refused only if it would be.
-    meta = any(t.tensor.is_meta and not t.is_dtensor for t in targets.values())
+    meta = any(not t.is_dtensor and t.tensor.is_meta for t in targets.values())
     device = options.usable_device() if meta else options.target_device
     loader = detect_loader(path)
     report = LoadReport(stats=options.stats if options.stats is not None else LoadStats())
@@ -344,7 +347,10 @@ def _account_keys(
 
 
 def _destination(key: str, target: _Target, device: torch.device) -> torch.Tensor:
-    """The tensor to write ``key``'s box into: the target's own storage, or a new one for meta."""
+    """The tensor to write ``key``'s box into: the target itself (a DTensor's local shard), or a
+    new one for meta. Written under ``torch.no_grad()``, as ``load_state_dict`` writes, so no
+    ``detach()`` is needed: it made a tensor per key, 10 us each in a fresh process, a
+    millisecond before the first read."""
     t: Any = target.tensor
     if target.is_dtensor:
         local = _local(t)
@@ -353,12 +359,12 @@ def _destination(key: str, target: _Target, device: torch.device) -> torch.Tenso
                 f"{key} is a DTensor on the meta device; call model.to_empty(device=...) before "
                 "load_into so that FSDP/TP keep their own storage"
             )
-        return local.detach()
+        return local
     if t.is_meta:
         if device.type == "cpu":
             return alloc.empty(t.shape, t.dtype)
         return torch.empty(t.shape, dtype=t.dtype, device=device)
-    return t.detach()
+    return t
 
 
 def _install_materialized(

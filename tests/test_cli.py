@@ -80,6 +80,22 @@ def test_inspect_fairscale_detects_the_preset(capsys: pytest.CaptureFixture[str]
     assert len(doc["files"]) == 4
 
 
+def test_inspect_fairscale_shows_params_json(capsys: pytest.CaptureFixture[str], mp4) -> None:
+    """``params.json`` is read only when asked for (a load never looks at it), and still shown
+    by ``inspect``; one that is not JSON shows as empty and does not stop a load."""
+    folder, full, dims = mp4
+    params = json.loads((folder / "params.json").read_text())
+    assert params  # the fixture writes one
+    doc = run_json(capsys, "inspect", folder)
+    assert doc["metadata"] == {k: json.dumps(v) for k, v in params.items()}
+
+    (folder / "params.json").write_text("{not json")
+    assert run_json(capsys, "inspect", folder)["metadata"] == {}
+    key = next(iter(full))
+    loaded = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(folder, dims))
+    assert same_bits(loaded[key], full[key])
+
+
 def test_inspect_text_of_a_hugging_face_folder(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
