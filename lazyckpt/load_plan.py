@@ -195,19 +195,27 @@ def plan_load(
         where = functools.partial(entry_path, index.path, entry)
         dim, box, pieces = plan_entry(entry, shard_dims, layout, where, own)
         planned.append((entry, dim, box, pieces))
-    # The files read anyway: asked only where some key has copies to choose from.
-    used: set[Path] = set()
+    # The files read anyway: asked only where some key has copies to choose from. (Paths
+    # gathered by comprehension, not a set per key: an MP-8 load asks ~200 times.) ``None``,
+    # a chunk in memory, is read anyway.
+    used: set[Path | None] = {None}
     if any(len(entry.copies) > 1 for entry, *_ in planned):
         for entry, _, _, pieces in planned:
             if len(entry.copies) == 1:
-                used |= _files(entry.copies[0], pieces[0])
+                chunks = entry.copies[0]
+                used.update([chunks[piece.chunk].path for piece in pieces[0]])
 
     plans = []
     for entry, dim, box, pieces in planned:
         if len(entry.copies) == 1:
             plans.append(TensorPlan(entry, dim, box, 0, pieces[0]))
             continue
-        inside = [i for i, p in enumerate(pieces) if _files(entry.copies[i], p) <= used]
+        copies = entry.copies
+        inside = [
+            i
+            for i, p in enumerate(pieces)
+            if all([copies[i][piece.chunk].path in used for piece in p])
+        ]
         if inside:
             chosen, compare = inside[0], inside
         else:

@@ -123,8 +123,7 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     if not target.is_dtensor:
         return Box((0,) * len(shape), shape)
     t: Any = target.tensor
-    mesh = t.device_mesh
-    placements = tuple(t.placements)
+    mesh, placements = _mesh_and_placements(t)
     cache_key = (shape, mesh, placements)
     box = cache.get(cache_key)
     if box is None:
@@ -145,6 +144,17 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
             f"{t.placements} give {box.sizes}"
         )
     return box
+
+
+def _mesh_and_placements(t: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A DTensor's mesh and placements, from its spec where it has one: the public properties
+    cost ~2 us each a call (~0.3 ms for a model's keys), the spec's fields a tenth of that."""
+    spec = getattr(t, "_spec", None)
+    mesh = getattr(spec, "mesh", None)
+    placements = getattr(spec, "placements", None)
+    if mesh is None or not isinstance(placements, tuple):
+        return t.device_mesh, tuple(t.placements)
+    return mesh, placements
 
 
 def _mesh_plan(
