@@ -213,3 +213,16 @@ def test_a_plain_model_does_not_import_dtensor(tmp_path: Path) -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_mesh_and_placements_without_a_spec() -> None:
+    """A DTensor's mesh and placements are read from its private ``_spec`` where it has one
+    (the DTensor tests above take that path); without one, from the public properties."""
+    from lazyckpt.model_load import _mesh_and_placements
+
+    class Public:  # what DTensor's public API gives, and no _spec
+        def __init__(self) -> None:
+            self.device_mesh = "the mesh"
+            self.placements = ["Shard(0)", "Replicate()"]
+
+    assert _mesh_and_placements(Public()) == ("the mesh", ("Shard(0)", "Replicate()"))
