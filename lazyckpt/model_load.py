@@ -359,8 +359,8 @@ def _account_keys(
 def _destination(key: str, target: _Target, device: torch.device) -> torch.Tensor:
     """The tensor to write ``key``'s box into: the target itself (a DTensor's local shard), or a
     new one for meta. Written under ``torch.no_grad()``, as ``load_state_dict`` writes, so no
-    ``detach()`` is needed: it made a tensor per key, 10 us each in a fresh process, a
-    millisecond before the first read."""
+    ``detach()`` is needed: it made a tensor per key, 0.15 ms of a 75-key load in a fresh
+    process, before the first read."""
     t: Any = target.tensor
     if target.is_dtensor:
         local = _local(t)
