@@ -11,10 +11,12 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -471,3 +473,27 @@ def machine() -> dict[str, object]:
 
 def config_dict(cfg: LlamaConfig) -> dict[str, int]:
     return asdict(cfg)
+
+
+def kept_row_spec(folder: Path, scenario: str, fmt: str, loader: str) -> dict[str, Any]:
+    """The spec of one row, as ``bench_load.py`` gives it to its children, for the checkpoint
+    a ``bench_load.py --dir folder --keep`` run left there (the newest, if several); exits
+    with a message naming what is missing or unknown."""
+    stamps = sorted(folder.glob("ckpt-*.json"))
+    if not stamps:
+        sys.exit(f"{folder} holds no kept checkpoint: run bench_load.py --dir {folder} --keep")
+    saved = json.loads(stamps[-1].read_text())
+    dim, layers = (int(x) for x in stamps[-1].stem.split("-")[1:3])
+    cfg = next(LlamaConfig(n_layers=layers, **w) for w in (_LARGE, _SMALL) if w["dim"] == dim)
+    sc = next((s for s in SCENARIOS if s.name == scenario), None)
+    if sc is None:
+        sys.exit(f"no scenario {scenario!r}: one of {[s.name for s in SCENARIOS]}")
+    if fmt not in saved["paths"]:
+        sys.exit(f"no source {fmt!r}: one of {sorted(saved['paths'])}")
+    return {
+        "scenario": sc.__dict__,
+        "fmt": fmt,
+        "loader": loader,
+        "cfg": config_dict(cfg),
+        "paths": saved["paths"],
+    }

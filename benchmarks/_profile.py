@@ -11,7 +11,6 @@ The row is prepared once and run ``--runs`` times (first run included), printing
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,24 +30,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pyinstrument", action="store_true")
     args = ap.parse_args()
-    stamps = sorted(args.dir.glob("ckpt-*.json"))
-    if not stamps:
-        sys.exit(f"{args.dir} holds no kept checkpoint: run bench_load.py --dir {args.dir} --keep")
-    saved = json.loads(stamps[-1].read_text())
-    dim, layers = (int(x) for x in stamps[-1].stem.split("-")[1:3])
-    cfg = next(
-        _ckpt.LlamaConfig(n_layers=layers, **w)
-        for w in (_ckpt._LARGE, _ckpt._SMALL)
-        if w["dim"] == dim
-    )
-    sc = next(s for s in _ckpt.SCENARIOS if s.name == args.scenario)
-    spec = {
-        "scenario": sc.__dict__,
-        "fmt": args.fmt,
-        "loader": args.loader,
-        "cfg": _ckpt.config_dict(cfg),
-        "paths": saved["paths"],
-    }
+    spec = _ckpt.kept_row_spec(args.dir, args.scenario, args.fmt, args.loader)
     ctx = _runner.Ctx(spec)
     run = _runner.PREPARERS[args.loader](ctx)
     profiler = None

@@ -30,34 +30,6 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 
-def _spec(folder: Path, scenario: str, fmt: str, loader: str) -> dict[str, object]:
-    """The row's spec, as ``bench_load.py`` gives it to its children."""
-    import _ckpt
-
-    stamps = sorted(folder.glob("ckpt-*.json"))
-    if not stamps:
-        sys.exit(f"{folder} holds no kept checkpoint: run bench_load.py --dir {folder} --keep")
-    saved = json.loads(stamps[-1].read_text())
-    dim, layers = (int(x) for x in stamps[-1].stem.split("-")[1:3])
-    cfg = next(
-        _ckpt.LlamaConfig(n_layers=layers, **w)
-        for w in (_ckpt._LARGE, _ckpt._SMALL)
-        if w["dim"] == dim
-    )
-    sc = next((s for s in _ckpt.SCENARIOS if s.name == scenario), None)
-    if sc is None:
-        sys.exit(f"no scenario {scenario!r}: one of {[s.name for s in _ckpt.SCENARIOS]}")
-    if fmt not in saved["paths"]:
-        sys.exit(f"no source {fmt!r}: one of {sorted(saved['paths'])}")
-    return {
-        "scenario": sc.__dict__,
-        "fmt": fmt,
-        "loader": loader,
-        "cfg": _ckpt.config_dict(cfg),
-        "paths": saved["paths"],
-    }
-
-
 def child(spec: dict[str, object], runs: int) -> None:
     """Time ``runs`` loads, each in a fork of this interpreter (which has imported, and started
     no thread), and print them as JSON: ``[[seconds, cpu seconds], ...]`` and the lazyckpt used."""
@@ -122,7 +94,7 @@ def main() -> None:
     import _ckpt
 
     scenario, fmt, loader = args.row.split()
-    spec = _spec(args.dir, scenario, fmt, loader)
+    spec = _ckpt.kept_row_spec(args.dir, scenario, fmt, loader)
     source = [Path(str(spec["paths"][fmt]))]  # type: ignore[index]
     if not (args.old / "lazyckpt" / "__init__.py").is_file():
         sys.exit(f"{args.old} holds no lazyckpt package")
