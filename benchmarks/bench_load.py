@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -285,11 +283,6 @@ def versus(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _geomean(values: Iterable[float]) -> float:
-    logs = [math.log(v) for v in values]
-    return math.exp(sum(logs) / len(logs))
-
-
 def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     head = (
         f"{'scenario':<12} {'source':<4} {'loader':<23} {'GB/s':>6} {'median':>6} "
@@ -497,14 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         sel = [c for c in comparison if c["fmt"] == fmt]
         if not sel:
             continue
-        cells = ", ".join(f"{c['scenario']} {c['ratio']:.2f}x ({c['baseline']})" for c in sel)
-        print(f"  {fmt:<4} {cells}; geomean {_geomean(c['ratio'] for c in sel):.2f}x")
-        cells = ", ".join(
-            f"{c['scenario']} {c['ratio_median']:.2f}x ({c['baseline_median']})" for c in sel
-        )
-        print(
-            f"  {'':<4} medians: {cells}; geomean {_geomean(c['ratio_median'] for c in sel):.2f}x"
-        )
+        for label, ratio, baseline in (
+            (f"{fmt:<4}", "ratio", "baseline"),
+            (f"{'':<4} medians:", "ratio_median", "baseline_median"),
+        ):
+            cells = ", ".join(f"{c['scenario']} {c[ratio]:.2f}x ({c[baseline]})" for c in sel)
+            geo = statistics.geometric_mean(c[ratio] for c in sel)
+            print(f"  {label} {cells}; geomean {geo:.2f}x")
     print()
     for c in checks:
         tag = "MET " if c["met"] else "MISS"
