@@ -8,6 +8,7 @@ called, not an hour into the stream.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,10 @@ def plan_entry(
     a model repeat the same shapes and replicas repeat one geometry, so tilings and pieces are
     computed once per distinct geometry (pure functions, cached)."""
     shape = entry.shape
-    if shape and max(shape) > _MAX_DIM:
-        raise _fail(entry, where, f"shape {shape} has a dim past 2**63")
+    if shape:
+        too_large = _too_large(shape)
+        if too_large is not None:
+            raise _fail(entry, where, f"shape {shape} {too_large}")
     dim = shard_dims.get(entry.key)
     if dim is not None:
         try:
@@ -162,6 +165,21 @@ def plan_entry(
     # Replicas (a model-parallel set's copies) repeat one geometry: one lookup for them all.
     found = {g: _pieces(box, g) for g in dict.fromkeys(geometries)}
     return dim, box, [found[g] for g in geometries]
+
+
+def _too_large(shape: tuple[int, ...]) -> str | None:
+    """Why torch cannot hold a tensor of ``shape``, whose sizes, element count and row-major
+    strides are 64-bit, or None. A header may declare such a shape with no byte of data (a
+    dim of 0), so it passes the byte-span checks; ``torch.empty`` would then fail with a bare
+    ``RuntimeError`` ("Stride calculation overflowed") when the tensor is made."""
+    if max(shape) > _MAX_DIM:
+        return "has a dim past 2**63"
+    numel = math.prod(shape)
+    if numel > _MAX_DIM:
+        return "has 2**63 elements or more"
+    if numel == 0 and contiguous_strides(shape)[0] > _MAX_DIM:
+        return "has a row-major stride past 2**63 (even empty, torch cannot make it)"
+    return None
 
 
 def _fail(

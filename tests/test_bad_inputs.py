@@ -320,6 +320,14 @@ def _huge_dim_not_in_int64(h: dict[str, Any], d: bytes) -> bytes:
     return st_join(h, d)
 
 
+def _zero_size_strides_past_int64(h: dict[str, Any], d: bytes) -> bytes:
+    # Every dim fits int64 and numel is 0, but the row-major stride of dim 0 (2 * 2**62) does
+    # not: torch cannot make the tensor ("Stride calculation overflowed"), so neither can a load.
+    shape = [0, 2, 2**62]
+    h["st_key_delta"] = {"dtype": "F32", "shape": shape, "data_offsets": [len(d), len(d)]}
+    return st_join(h, d)
+
+
 ALPHA, GAMMA = "st_key_alpha", "st_key_gamma"
 ANY_KEY = tuple(ST_SD)
 
@@ -368,6 +376,7 @@ SAFETENSORS_CASES: list[tuple[str, Callable[[dict[str, Any], bytes], bytes], tup
     ("shape-overflow-wraps-to-span", _set(ALPHA, "shape", [2**64 + 12]), (ALPHA,)),
     ("shape-overflow-zero-size", _zero_size_huge_dim, ("st_key_delta",)),
     ("dim-past-int64-zero-size", _huge_dim_not_in_int64, ("st_key_delta",)),
+    ("strides-past-int64-zero-size", _zero_size_strides_past_int64, ("st_key_delta",)),
     ("duplicate-key", _duplicate, (ALPHA,)),
     (
         "metadata-not-an-object",
