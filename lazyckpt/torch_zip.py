@@ -427,7 +427,13 @@ class TorchArchive:
                 f"the view (offset {tensor.storage_offset}, size {tensor.sizes}, stride "
                 f"{tensor.strides}) reaches past its storage of {ref.numel} elements",
             )
-        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, tensor.strides)
+        strides = tensor.strides
+        if 1 in tensor.sizes:
+            # A dim of size 1 places no element, and the pickle's stride for it (whatever the
+            # saved view had) is checked by nothing; one past int64 once multiplied out would
+            # overflow ``as_strided``. What it is makes no difference, so it is made 1.
+            strides = tuple([1 if n == 1 else st for n, st in zip(tensor.sizes, strides)])
+        return FileRegion(self.path, offset + tensor.storage_offset * itemsize, strides)
 
     def _view_end(self, tensor: StoredTensor, key: str) -> int:
         """One past the last storage element of ``tensor``'s view, after checking its sizes

@@ -915,6 +915,32 @@ def test_torch_view_past_its_storage(tmp_path: Path, old: bytes, new: bytes) -> 
         fails(tmp_path / "bad_view.pt", CORRUPT, ("bad_view.pt", "view_key"), mmap=mmap)
 
 
+@pytest.mark.parametrize("stride", [2**62, 2**63, 2**70], ids=["2**62", "2**63", "2**70"])
+def test_torch_stride_of_a_size_one_dim_is_ignored(tmp_path: Path, stride: int) -> None:
+    """A dim of size 1 places no element, so the stride a pickle gives it is never used, and a
+    writer may leave any value there. One whose bytes (stride x itemsize) pass int64 must not
+    reach ``as_strided``: the tensor loads as saved, through views and copies alike (float32 is
+    copied byte by byte here, its data unaligned after the rewrite; uint8 is always aligned)."""
+    sd = {
+        "f_key": torch.arange(3, dtype=torch.float32).reshape(1, 3),
+        "u_key": torch.arange(3, dtype=torch.uint8).reshape(1, 3),
+    }
+    torch.save(sd, tmp_path / "ok.pt")
+    old = b"K\x03K\x01\x86"  # the stride (3, 1) of both keys
+    n = (stride.bit_length() + 8) // 8
+    new = b"\x8a" + bytes([n]) + stride.to_bytes(n, "little") + b"K\x01\x86"  # (stride, 1)
+
+    def edit(name: str, data: bytes) -> bytes:
+        if not name.endswith("data.pkl"):
+            return data
+        assert data.count(old) == 2, data
+        return data.replace(old, new)
+
+    rewrite_zip(tmp_path / "ok.pt", tmp_path / "strided.pt", edit=edit)
+    for mmap in (True, False):
+        assert_same(load(tmp_path / "strided.pt", mmap=mmap), sd)
+
+
 # -- model-parallel sets (fairscale consolidated.NN.pth) ---------------------------------------
 
 MP_FULL = {
