@@ -56,6 +56,7 @@ __all__ = [
 
 ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 30
+_MAX_INT64 = (1 << 63) - 1
 
 
 @dataclass(slots=True, eq=False)
@@ -412,7 +413,9 @@ class TorchArchive:
             raise self._bad(key, f"storage record data/{ref.key} is missing from the zip")
         offset, length = found
         itemsize = ref.dtype.itemsize
-        if ref.numel * itemsize > length:
+        # torch.save writes each storage whole, and torch.load refuses a record of any other
+        # size: a longer one than the pickle declares means the pickle or the zip was edited.
+        if ref.numel * itemsize != length:
             raise self._bad(
                 key,
                 f"storage record data/{ref.key} has {length} bytes but the pickle declares "
@@ -429,9 +432,9 @@ class TorchArchive:
             )
         strides = tensor.strides
         if 1 in tensor.sizes:
-            # A dim of size 1 places no element, and the pickle's stride for it (whatever the
-            # saved view had) is checked by nothing; one past int64 once multiplied out would
-            # overflow ``as_strided``. What it is makes no difference, so it is made 1.
+            # A dim of size 1 places no element, so the pickle's stride for it (whatever the
+            # saved view had, up to 2**63 - 1 as torch.load takes it) bounds nothing; in bytes
+            # it may pass int64 and overflow ``as_strided``. It makes no difference: made 1.
             strides = tuple([1 if n == 1 else st for n, st in zip(tensor.sizes, strides)])
         return FileRegion(self.path, offset + tensor.storage_offset * itemsize, strides)
 
@@ -449,6 +452,8 @@ class TorchArchive:
         for n, st in zip(sizes, strides):
             if n < 0 or st < 0:
                 raise self._bad(key, f"negative size or stride {sizes}/{strides}")
+            if st > _MAX_INT64:  # torch.load cannot make such a view either
+                raise self._bad(key, f"stride {strides} has a value past 2**63")
             empty = empty or n == 0
             last += (n - 1) * st
         return 0 if empty else tensor.storage_offset + last + 1

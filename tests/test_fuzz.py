@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import pickle
+import pickletools
 import shutil
 import struct
 import warnings
@@ -418,6 +419,77 @@ def test_torch_zip_truncated(
     path.write_bytes(pt_original.raw[: cut % len(pt_original.raw)])
     got = load_or_error(path, PT_DIMS, layout, mmap)
     assert isinstance(got, lazyckpt.CorruptModelCheckpointError), got
+    path.unlink()
+
+
+_INT_OPS = {"BININT1", "BININT2", "BININT", "LONG1"}
+
+
+def _pickle_ints(raw: bytes) -> list[tuple[int, int]]:
+    """``(start, end)`` of every opcode of ``raw`` (a pickle) that pushes an int literal:
+    sizes, strides, storage offsets and element counts of a torch file's tensors."""
+    ops = list(pickletools.genops(raw))
+    ends = [pos for _, _, pos in ops[1:]] + [len(raw)]
+    return [(pos, end) for (op, _, pos), end in zip(ops, ends) if op.name in _INT_OPS]
+
+
+def _long1(value: int) -> bytes:
+    """``value`` as a pickle LONG1 opcode (any int, in two's complement)."""
+    n = (value.bit_length() + 8) // 8 if value else 0
+    return b"\x8a" + bytes([n]) + value.to_bytes(n, "little", signed=True)
+
+
+_pickle_int = st.one_of(
+    st.integers(-3, 3).map(lambda d: ("delta", d)),
+    st.sampled_from([0, 1, -1, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63)]).map(
+        lambda v: ("set", v)
+    ),
+)
+
+
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 10**6), _pickle_int), min_size=1, max_size=3),
+    layout=st.sampled_from(LAYOUTS),
+    mmap=st.booleans(),
+)
+def test_torch_pickle_int_edits(
+    pt_original: PtOriginal,
+    scratch: Callable[[str], Path],
+    edits: list[Any],
+    layout: lazyckpt.Layout,
+    mmap: bool,
+) -> None:
+    """Change the ints of ``data.pkl`` (a tensor's sizes, strides, storage offset, a storage's
+    element count) and write the zip again with its CRCs right, so only what the pickle says
+    is wrong: lazyckpt gives exactly what ``torch.load`` gives, or refuses the file by name.
+    (Sampled values stay clear of counts ``torch.load`` would try to allocate: 2**31 x 8 bytes
+    would, 2**62 fails at once.)"""
+    src = scratch(".pt")
+    src.write_bytes(pt_original.raw)
+    with zipfile.ZipFile(src) as zf:
+        records = [(i.filename, zf.read(i)) for i in zf.infolist()]
+    name, raw = next((n, d) for n, d in records if n.endswith("/data.pkl"))
+    spots = _pickle_ints(raw)
+    chosen = {spots[i % len(spots)]: change for i, change in edits}  # one change per int
+    out = bytearray()
+    at = 0
+    for (start, end), (kind, v) in sorted(chosen.items()):
+        old = pickle.loads(raw[start:end] + b".")
+        out += raw[at:start] + _long1(old + v if kind == "delta" else v)
+        at = end
+    edited = bytes(out + raw[at:])
+    path = scratch(".pt")
+    with zipfile.ZipFile(path, "w") as zout:
+        for n, data in records:
+            zout.writestr(n, edited if n == name else data)
+    try:
+        full: dict[str, torch.Tensor] | None = torch.load(path, weights_only=True)
+    except Exception:
+        full = None
+    dims = _dims_for(full or {}, PT_DIMS)
+    got = load_or_error(path, dims, layout, mmap)
+    assert_loads_exactly_or_fails_cleanly(got, full, dims, layout, f"pickle edits {edits}")
+    src.unlink()
     path.unlink()
 
 
