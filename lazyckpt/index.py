@@ -24,8 +24,13 @@ __all__ = [
     "LazyRegion",
     "TensorEntry",
     "add_entry",
+    "MAX_INT64",
     "contiguous_strides",
 ]
+
+
+MAX_INT64 = (1 << 63) - 1
+"""The largest size, stride or element count a torch tensor holds (they are int64)."""
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lazyckpt import stitch
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, Chunk, TensorEntry, contiguous_strides
+from lazyckpt.index import MAX_INT64, CheckpointIndex, Chunk, TensorEntry, contiguous_strides
 from lazyckpt.layout import Layout
 from lazyckpt.plan import (
     Box,
@@ -29,8 +29,6 @@ from lazyckpt.plan import (
 )
 
 __all__ = ["TensorPlan", "check_shard_dims", "entry_path", "plan_entry", "plan_load"]
-
-_MAX_DIM = (1 << 63) - 1
 
 
 @dataclass(slots=True, eq=False)
@@ -172,12 +170,12 @@ def _too_large(shape: tuple[int, ...]) -> str | None:
     strides are 64-bit, or None. A header may declare such a shape with no byte of data (a
     dim of 0), so it passes the byte-span checks; ``torch.empty`` would then fail with a bare
     ``RuntimeError`` ("Stride calculation overflowed") when the tensor is made."""
-    if max(shape) > _MAX_DIM:
+    if max(shape) > MAX_INT64:
         return "has a dim past 2**63"
     numel = math.prod(shape)
-    if numel > _MAX_DIM:
+    if numel > MAX_INT64:
         return "has 2**63 elements or more"
-    if numel == 0 and contiguous_strides(shape)[0] > _MAX_DIM:
+    if numel == 0 and contiguous_strides(shape)[0] > MAX_INT64:
         return "has a row-major stride past 2**63 (even empty, torch cannot make it)"
     return None
 

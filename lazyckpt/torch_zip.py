@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import FileRegion
+from lazyckpt.index import MAX_INT64, FileRegion
 from lazyckpt.readahead import no_readahead
 from lazyckpt.zipdir import (
     HEAD_BLOCK,
@@ -56,7 +56,6 @@ __all__ = [
 
 ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 30
-_MAX_INT64 = (1 << 63) - 1
 
 
 @dataclass(slots=True, eq=False)
@@ -452,7 +451,7 @@ class TorchArchive:
         for n, st in zip(sizes, strides):
             if n < 0 or st < 0:
                 raise self._bad(key, f"negative size or stride {sizes}/{strides}")
-            if st > _MAX_INT64:  # torch.load cannot make such a view either
+            if st > MAX_INT64:  # torch.load cannot make such a view either
                 raise self._bad(key, f"stride {strides} has a value past 2**63")
             empty = empty or n == 0
             last += (n - 1) * st

@@ -17,7 +17,7 @@ from typing import Any, final
 import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, FileRegion, contiguous_strides
+from lazyckpt.index import MAX_INT64, CheckpointIndex, FileRegion, contiguous_strides
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.loaders._files import (
     FileSet,
@@ -36,7 +36,6 @@ __all__ = ["SafetensorsCheckpointLoader", "read_safetensors_header"]
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000
-MAX_DIM = (1 << 63) - 1
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -236,7 +235,7 @@ def _valid_entry(info: Any, data_len: int) -> tuple[torch.dtype, tuple[int, ...]
         return None
     numel = 1
     for n in shape:
-        if type(n) is not int or not 0 <= n <= MAX_DIM:
+        if type(n) is not int or not 0 <= n <= MAX_INT64:
             return None
         numel *= n
     if numel * dtype.itemsize != end - begin:
@@ -256,7 +255,7 @@ def _parse_entry(
     if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
         raise bad(f"unknown dtype {dtype_name!r} (known: {', '.join(_DTYPES)})")
     shape = info.get("shape")
-    if not isinstance(shape, list) or not _sizes_ok(shape, MAX_DIM):
+    if not isinstance(shape, list) or not _sizes_ok(shape, MAX_INT64):
         raise bad(f"shape {shape!r} is not a list of integers in [0, 2**63)")
     offsets = info.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not _sizes_ok(offsets, None):
