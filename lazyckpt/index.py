@@ -22,9 +22,9 @@ __all__ = [
     "Chunk",
     "FileRegion",
     "LazyRegion",
+    "MAX_INT64",
     "TensorEntry",
     "add_entry",
-    "MAX_INT64",
     "contiguous_strides",
 ]
 

@@ -82,7 +82,13 @@ class TensorPlan:
 
 
 def _files(chunks: tuple[Chunk, ...], pieces: tuple[Piece, ...]) -> set[Path]:
-    return {p for p in (chunks[piece.chunk].path for piece in pieces) if p is not None}
+    return {p for p in _paths(chunks, pieces) if p is not None}
+
+
+def _paths(chunks: tuple[Chunk, ...], pieces: tuple[Piece, ...]) -> list[Path | None]:
+    """The file of each piece's chunk (``None``: a chunk in memory), as a list: ``plan_load``
+    asks ~200 times in an MP-8 load, and a set per call cost more than the test it serves."""
+    return [chunks[piece.chunk].path for piece in pieces]
 
 
 def check_shard_dims(shard_dims: Mapping[str, int]) -> None:
@@ -211,26 +217,23 @@ def plan_load(
         where = functools.partial(entry_path, index.path, entry)
         dim, box, pieces = plan_entry(entry, shard_dims, layout, where, own)
         planned.append((entry, dim, box, pieces))
-    # The files read anyway: asked only where some key has copies to choose from. (Paths
-    # gathered by comprehension, not a set per key: an MP-8 load asks ~200 times.) ``None``,
-    # a chunk in memory, is read anyway.
+    # The files read anyway: asked only where some key has copies to choose from. ``None``, a
+    # chunk in memory, is read anyway.
     used: set[Path | None] = {None}
     if any(len(entry.copies) > 1 for entry, *_ in planned):
         for entry, _, _, pieces in planned:
             if len(entry.copies) == 1:
-                chunks = entry.copies[0]
-                used.update([chunks[piece.chunk].path for piece in pieces[0]])
+                used.update(_paths(entry.copies[0], pieces[0]))
 
     plans = []
     for entry, dim, box, pieces in planned:
         if len(entry.copies) == 1:
             plans.append(TensorPlan(entry, dim, box, 0, pieces[0]))
             continue
-        copies = entry.copies
         inside = [
             i
             for i, p in enumerate(pieces)
-            if all([copies[i][piece.chunk].path in used for piece in p])
+            if all([path in used for path in _paths(entry.copies[i], p)])
         ]
         if inside:
             chosen, compare = inside[0], inside

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Mapping
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +17,27 @@ from safetensors.torch import save_file
 import lazyckpt
 
 GPU = torch.cuda.is_available()
+
+
+def rewrite_zip(
+    src: Path,
+    dst: Path,
+    *,
+    edit: Callable[[str, bytes], bytes] | None = None,
+    compression: int = zipfile.ZIP_STORED,
+) -> None:
+    """Copy a torch zip record by record (CRCs recomputed), editing or compressing records."""
+    with zipfile.ZipFile(src) as zin:
+        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
+    with zipfile.ZipFile(dst, "w", compression=compression) as zout:
+        for name, data in records:
+            zout.writestr(name, edit(name, data) if edit else data)
+
+
+def pickle_long1(value: int) -> bytes:
+    """``value`` as a pickle LONG1 opcode (any int, in two's complement)."""
+    n = (value.bit_length() + 8) // 8 if value else 0
+    return b"\x8a" + bytes([n]) + value.to_bytes(n, "little", signed=True)
 
 
 def chunk_of(t: torch.Tensor, parts: int, dim: int, index: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import expected, same_bits
+from helpers import expected, pickle_long1, rewrite_zip, same_bits
 from safetensors.torch import save_file
 
 import lazyckpt
@@ -655,21 +655,6 @@ PT_SD = {
 }
 
 
-def rewrite_zip(
-    src: Path,
-    dst: Path,
-    *,
-    edit: Callable[[str, bytes], bytes] | None = None,
-    compression: int = zipfile.ZIP_STORED,
-) -> None:
-    """Copy a torch zip record by record (CRCs recomputed), editing or compressing records."""
-    with zipfile.ZipFile(src) as zin:
-        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
-    with zipfile.ZipFile(dst, "w", compression=compression) as zout:
-        for name, data in records:
-            zout.writestr(name, edit(name, data) if edit else data)
-
-
 def _storage_key(path: Path, key: str) -> str:
     """The zip record name (``<archive>/data/<n>``) holding ``key``'s storage."""
     with zipfile.ZipFile(path) as zf:
@@ -889,6 +874,19 @@ def test_torch_record_shorter_than_its_storage(tmp_path: Path, pt_file: Path, ke
         fails(out, CORRUPT, ("short.pt", key), mmap=mmap)
 
 
+def _replace_in_pickle(src: Path, dst: Path, old: bytes, new: bytes, *, count: int) -> None:
+    """Copy the torch file ``src`` to ``dst`` with the ``count`` occurrences of ``old`` in its
+    ``data.pkl`` replaced by ``new`` (CRCs recomputed: only what the pickle says is wrong)."""
+
+    def edit(name: str, data: bytes) -> bytes:
+        if not name.endswith("data.pkl"):
+            return data
+        assert data.count(old) == count, data
+        return data.replace(old, new)
+
+    rewrite_zip(src, dst, edit=edit)
+
+
 @pytest.mark.parametrize(
     "old,new",
     [
@@ -904,13 +902,7 @@ def test_torch_view_past_its_storage(tmp_path: Path, old: bytes, new: bytes) -> 
     torch.save({"view_key": base[7:44]}, tmp_path / "view.pt")
     assert same_bits(load(tmp_path / "view.pt")["view_key"], base[7:44])
 
-    def edit(name: str, data: bytes) -> bytes:
-        if not name.endswith("data.pkl"):
-            return data
-        assert data.count(old) == 1, data
-        return data.replace(old, new)
-
-    rewrite_zip(tmp_path / "view.pt", tmp_path / "bad_view.pt", edit=edit)
+    _replace_in_pickle(tmp_path / "view.pt", tmp_path / "bad_view.pt", old, new, count=1)
     for mmap in (True, False):
         fails(tmp_path / "bad_view.pt", CORRUPT, ("bad_view.pt", "view_key"), mmap=mmap)
 
@@ -929,17 +921,9 @@ def test_torch_stride_of_a_size_one_dim(tmp_path: Path, stride: int) -> None:
         "u_key": torch.arange(3, dtype=torch.uint8).reshape(1, 3),
     }
     torch.save(sd, tmp_path / "ok.pt")
-    old = b"K\x03K\x01\x86"  # the stride (3, 1) of both keys
-    n = (stride.bit_length() + 8) // 8
-    new = b"\x8a" + bytes([n]) + stride.to_bytes(n, "little") + b"K\x01\x86"  # (stride, 1)
-
-    def edit(name: str, data: bytes) -> bytes:
-        if not name.endswith("data.pkl"):
-            return data
-        assert data.count(old) == 2, data
-        return data.replace(old, new)
-
-    rewrite_zip(tmp_path / "ok.pt", tmp_path / "strided.pt", edit=edit)
+    # The stride (3, 1) of both keys, made (stride, 1).
+    old, new = b"K\x03K\x01\x86", pickle_long1(stride) + b"K\x01\x86"
+    _replace_in_pickle(tmp_path / "ok.pt", tmp_path / "strided.pt", old, new, count=2)
     fits = stride < 2**63
     try:
         reference = torch.load(tmp_path / "strided.pt", weights_only=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import expected, same_bits
+from helpers import expected, pickle_long1, rewrite_zip, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -433,12 +433,6 @@ def _pickle_ints(raw: bytes) -> list[tuple[int, int]]:
     return [(pos, end) for (op, _, pos), end in zip(ops, ends) if op.name in _INT_OPS]
 
 
-def _long1(value: int) -> bytes:
-    """``value`` as a pickle LONG1 opcode (any int, in two's complement)."""
-    n = (value.bit_length() + 8) // 8 if value else 0
-    return b"\x8a" + bytes([n]) + value.to_bytes(n, "little", signed=True)
-
-
 _pickle_int = st.one_of(
     st.integers(-3, 3).map(lambda d: ("delta", d)),
     st.sampled_from([0, 1, -1, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63)]).map(
@@ -467,21 +461,19 @@ def test_torch_pickle_int_edits(
     src = scratch(".pt")
     src.write_bytes(pt_original.raw)
     with zipfile.ZipFile(src) as zf:
-        records = [(i.filename, zf.read(i)) for i in zf.infolist()]
-    name, raw = next((n, d) for n, d in records if n.endswith("/data.pkl"))
+        name = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+        raw = zf.read(name)
     spots = _pickle_ints(raw)
     chosen = {spots[i % len(spots)]: change for i, change in edits}  # one change per int
     out = bytearray()
     at = 0
     for (start, end), (kind, v) in sorted(chosen.items()):
         old = pickle.loads(raw[start:end] + b".")
-        out += raw[at:start] + _long1(old + v if kind == "delta" else v)
+        out += raw[at:start] + pickle_long1(old + v if kind == "delta" else v)
         at = end
     edited = bytes(out + raw[at:])
     path = scratch(".pt")
-    with zipfile.ZipFile(path, "w") as zout:
-        for n, data in records:
-            zout.writestr(n, edited if n == name else data)
+    rewrite_zip(src, path, edit=lambda n, data: edited if n == name else data)
     try:
         full: dict[str, torch.Tensor] | None = torch.load(path, weights_only=True)
     except Exception:
