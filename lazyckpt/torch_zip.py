@@ -446,6 +446,8 @@ class TorchArchive:
             raise self._bad(key, f"size {sizes} and stride {strides} differ in rank")
         if tensor.storage_offset < 0:
             raise self._bad(key, f"negative storage offset {tensor.storage_offset}")
+        if tensor.storage_offset > MAX_INT64:  # torch.load cannot unpickle it (even empty)
+            raise self._bad(key, f"storage offset {tensor.storage_offset} is past 2**63")
         last = 0  # the view's last element, relative to its first
         empty = False
         for n, st in zip(sizes, strides):

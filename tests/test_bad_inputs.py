@@ -937,6 +937,30 @@ def test_torch_stride_of_a_size_one_dim(tmp_path: Path, stride: int) -> None:
             fails(tmp_path / "strided.pt", CORRUPT, ("strided.pt", "f_key"), mmap=mmap)
 
 
+@pytest.mark.parametrize("offset", [2**62, 2**63 - 1, 2**63], ids=["2**62", "2**63-1", "2**63"])
+def test_torch_storage_offset_of_an_empty_view(tmp_path: Path, offset: int) -> None:
+    """An empty view reads no element, so its storage offset bounds nothing, and ``torch.load``
+    takes any value that fits int64: lazyckpt loads the file as saved. Past int64 ``torch.load``
+    cannot unpickle the offset, and lazyckpt refuses the file by name (found by the fuzz test
+    ``test_torch_pickle_int_edits``: it used to load it)."""
+    sd = {"e_key": torch.empty(0, 3), "k_key": torch.arange(3, dtype=torch.float32)}
+    torch.save(sd, tmp_path / "ok.pt")
+    # e_key's storage offset 0, then its size (0, 3).
+    old, new = b"K\x00K\x00K\x03\x86", pickle_long1(offset) + b"K\x00K\x03\x86"
+    _replace_in_pickle(tmp_path / "ok.pt", tmp_path / "offset.pt", old, new, count=1)
+    fits = offset < 2**63
+    try:
+        reference = torch.load(tmp_path / "offset.pt", weights_only=True)
+    except (ValueError, OverflowError):
+        reference = None
+    assert (reference is not None) == fits  # torch.load's own limit
+    for mmap in (True, False):
+        if fits:
+            assert_same(load(tmp_path / "offset.pt", mmap=mmap), sd)
+        else:
+            fails(tmp_path / "offset.pt", CORRUPT, ("offset.pt", "e_key"), mmap=mmap)
+
+
 # -- model-parallel sets (fairscale consolidated.NN.pth) ---------------------------------------
 
 MP_FULL = {
