@@ -331,7 +331,17 @@ def check_layout(
             kept = span.before.get(limit, b"")
             tail = kept[len(kept) - gap :] if len(kept) >= gap else span.read(end, gap)
             if _descriptor_length(tail, r) == gap:
-                continue
+                if gap in _SIGNED_DESCRIPTORS or span.read(end - 4, 4) != _DESCRIPTOR_SIG:
+                    continue
+                # A descriptor without its signature, right after the signature's bytes: the
+                # signed descriptor of a record whose data was moved 4 bytes on (an extra length
+                # grown by 4 in its local header) reads so, its signature as the data's last
+                # bytes. torch.load would read the moved bytes; torch writes signed descriptors.
+                raise ZipError(
+                    f"record {r.name}: its data runs into the signature of its data descriptor "
+                    "(the extra length in its local header is likely damaged, which moves the "
+                    "data); the file is damaged: copy it again"
+                )
             raise ZipError(
                 f"record {r.name}: its data does not end where its local header says (no data "
                 "descriptor with its CRC and size follows it); the file is damaged: copy it again"

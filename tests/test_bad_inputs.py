@@ -706,6 +706,23 @@ def test_torch_local_extra_length_damage_is_caught(pt_file: Path) -> None:
     fails(pt_file, CORRUPT, ("model.pt", "local header"), eager=True)
 
 
+def test_torch_data_moved_onto_its_descriptor_signature_is_caught(pt_file: Path) -> None:
+    """An extra length grown by 4 moves a record's data 4 bytes on: its last 4 bytes are then
+    the data descriptor's signature, and the descriptor's rest reads as a descriptor without
+    one (the signature is optional in zip). ``torch.load`` reads the moved bytes (found by
+    ``test_torch_zip_byte_flips``, a bit flip in the extra length); lazyckpt refuses the file
+    by name."""
+    record = _storage_key(pt_file, "pt_key_weight")
+    with zipfile.ZipFile(pt_file) as zf:
+        offset = zf.getinfo(record).header_offset
+    raw = pt_file.read_bytes()
+    (n_extra,) = struct.unpack_from("<H", raw, offset + 28)
+    _set_local_extra_length(pt_file, record, n_extra + 4)
+    moved = torch.load(pt_file, weights_only=True)["pt_key_weight"]
+    assert not torch.equal(moved, PT_SD["pt_key_weight"])  # what this test guards against
+    fails(pt_file, CORRUPT, ("model.pt", "descriptor"), eager=True)
+
+
 @pytest.mark.parametrize("shift", ["later", "earlier"])
 def test_torch_rewritten_zip_with_shifted_data_is_caught(tmp_path: Path, shift: str) -> None:
     # A zip rewritten without data descriptors (zipfile), so only the place of the next record

@@ -86,6 +86,10 @@ def assert_loads_exactly_or_fails_cleanly(
     assert full is not None, f"{what}: loaded a file that the reference reader refuses"
     assert set(got) == set(full), f"{what}: keys {sorted(got)} != {sorted(full)}"
     for key, t in full.items():
+        if not t.numel():
+            # An empty reference may keep a stride or offset that no element uses, past what
+            # torch.chunk can add up (the pickle's); only its shape and dtype say anything.
+            t = torch.empty(t.shape, dtype=t.dtype)
         want = expected(t, shard_dims.get(key), layout)
         assert same_bits(got[key], want), (
             f"{what}: wrong tensor for {key!r}: got {got[key].dtype} {tuple(got[key].shape)}, "
