@@ -941,17 +941,30 @@ def test_torch_stride_of_a_size_one_dim(tmp_path: Path, stride: int) -> None:
     # The stride (3, 1) of both keys, made (stride, 1).
     old, new = b"K\x03K\x01\x86", pickle_long1(stride) + b"K\x01\x86"
     _replace_in_pickle(tmp_path / "ok.pt", tmp_path / "strided.pt", old, new, count=2)
-    fits = stride < 2**63
+    refusals = (TypeError, RuntimeError, OverflowError)
+    _loads_as_torch_does(tmp_path / "strided.pt", sd, stride < 2**63, "f_key", refusals)
+
+
+def _loads_as_torch_does(
+    path: Path,
+    sd: dict[str, torch.Tensor],
+    fits: bool,
+    key: str,
+    refusals: tuple[type[Exception], ...],
+) -> None:
+    """``path``, ``sd`` saved with an int of its pickle edited, loads as saved (views and
+    copies alike) where ``torch.load`` takes the int (``fits``); else ``torch.load`` raises one
+    of ``refusals`` and lazyckpt refuses the file, naming it and ``key``."""
     try:
-        reference = torch.load(tmp_path / "strided.pt", weights_only=True)
-    except (TypeError, RuntimeError, OverflowError):
+        reference = torch.load(path, weights_only=True)
+    except refusals:
         reference = None
     assert (reference is not None) == fits  # torch.load's own limit
     for mmap in (True, False):
         if fits:
-            assert_same(load(tmp_path / "strided.pt", mmap=mmap), sd)
+            assert_same(load(path, mmap=mmap), sd)
         else:
-            fails(tmp_path / "strided.pt", CORRUPT, ("strided.pt", "f_key"), mmap=mmap)
+            fails(path, CORRUPT, (path.name, key), mmap=mmap)
 
 
 @pytest.mark.parametrize("offset", [2**62, 2**63 - 1, 2**63], ids=["2**62", "2**63-1", "2**63"])
@@ -965,17 +978,9 @@ def test_torch_storage_offset_of_an_empty_view(tmp_path: Path, offset: int) -> N
     # e_key's storage offset 0, then its size (0, 3).
     old, new = b"K\x00K\x00K\x03\x86", pickle_long1(offset) + b"K\x00K\x03\x86"
     _replace_in_pickle(tmp_path / "ok.pt", tmp_path / "offset.pt", old, new, count=1)
-    fits = offset < 2**63
-    try:
-        reference = torch.load(tmp_path / "offset.pt", weights_only=True)
-    except (ValueError, OverflowError):
-        reference = None
-    assert (reference is not None) == fits  # torch.load's own limit
-    for mmap in (True, False):
-        if fits:
-            assert_same(load(tmp_path / "offset.pt", mmap=mmap), sd)
-        else:
-            fails(tmp_path / "offset.pt", CORRUPT, ("offset.pt", "e_key"), mmap=mmap)
+    _loads_as_torch_does(
+        tmp_path / "offset.pt", sd, offset < 2**63, "e_key", (ValueError, OverflowError)
+    )
 
 
 # -- model-parallel sets (fairscale consolidated.NN.pth) ---------------------------------------
