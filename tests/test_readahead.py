@@ -11,7 +11,7 @@ device whose read-ahead window is larger than the pieces (8 MiB on the VM they w
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -131,17 +131,40 @@ def cold(tmp_path: Path) -> Iterator[None]:
     yield
 
 
+def _within(
+    bound: int, measure: Callable[[], tuple[dict[str, torch.Tensor], int]]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """``measure()`` (the tensors of a load and the bytes it had read from disk), made again
+    once if it read more than ``bound``.
+
+    The second go is for pages that lazyckpt asked for and the kernel reclaimed before they
+    were touched (memory pressure, or proactive reclaim: this VM runs DAMON's ``pageout``).
+    The fault on such a page reads the device's read-ahead window around it, as without any
+    advice. Seen in 2 loads of 1,500 (``missing`` pages checked with ``cachestat`` right after
+    the advice); a load that reads too much for any other reason does so both times.
+    """
+    got, read = measure()
+    if read > bound:
+        got, read = measure()
+    return got, read
+
+
 def _cold_load(
     paths: list[Path],
     source: Path,
     shard_dims: dict[str, int],
     layout: lazyckpt.Layout,
+    bound: int,
     mmap: bool = True,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Every tensor of a cold ``lazy_load`` (touched, then copied), and the bytes read from
-    disk meanwhile."""
-    _drop(paths)
-    return _measured_load(source, shard_dims, layout, mmap)
+    disk meanwhile (see :func:`_within` for ``bound``)."""
+
+    def measure() -> tuple[dict[str, torch.Tensor], int]:
+        _drop(paths)
+        return _measured_load(source, shard_dims, layout, mmap)
+
+    return _within(bound, measure)
 
 
 def _measured_load(
@@ -168,10 +191,11 @@ def test_fsdp_rank_reads_its_eighth_from_a_cold_safetensors_file(
     path = tmp_path / "model.safetensors"
     save_file(full, path)
     layout = lazyckpt.Layout(dp_size=8, dp_rank=3)
-    got, read = _cold_load([path], path, {}, layout, mmap=mmap)
-    assert_layout_matches(got, full, {}, layout)
     needed = sum(t.numel() * 4 for t in full.values()) // 8
-    assert read <= needed + len(full) * 2 * PAGE + _SLACK, (read, needed)
+    bound = needed + len(full) * 2 * PAGE + _SLACK
+    got, read = _cold_load([path], path, {}, layout, bound, mmap=mmap)
+    assert_layout_matches(got, full, {}, layout)
+    assert read <= bound, (read, needed)
 
 
 def test_column_blocks_of_a_cold_model_parallel_set_read_their_own_rows(
@@ -186,10 +210,11 @@ def test_column_blocks_of_a_cold_model_parallel_set_read_their_own_rows(
         paths.append(tmp_path / f"consolidated.{r:02d}.pth")
         torch.save({"w": full["w"].chunk(4, 1)[r].clone()}, paths[-1])
     layout = lazyckpt.Layout(dp_size=8, dp_rank=0)
-    got, read = _cold_load(paths, tmp_path, {"w": 1}, layout)
-    assert_layout_matches(got, full, {"w": 1}, layout)
     needed = full["w"].numel() * 4 // 8
-    assert read <= needed + 4 * (2 * PAGE + _SLACK), (read, needed)
+    bound = needed + 4 * (2 * PAGE + _SLACK)
+    got, read = _cold_load(paths, tmp_path, {"w": 1}, layout, bound)
+    assert_layout_matches(got, full, {"w": 1}, layout)
+    assert read <= bound, (read, needed)
 
 
 def test_a_cold_column_slice_reads_only_the_pages_of_its_columns(
@@ -201,10 +226,11 @@ def test_a_cold_column_slice_reads_only_the_pages_of_its_columns(
     path = tmp_path / "model.safetensors"
     save_file(full, path)
     layout = lazyckpt.Layout(tp_size=4, tp_rank=1)
-    got, read = _cold_load([path], path, {"w": 1}, layout)
-    assert_layout_matches(got, full, {"w": 1}, layout)
     rows, row_bytes = full["w"].shape[0], full["w"].shape[1] * 4
-    assert read <= rows * (-(-(row_bytes // 4) // PAGE) + 1) * PAGE + _SLACK, read
+    bound = rows * (-(-(row_bytes // 4) // PAGE) + 1) * PAGE + _SLACK
+    got, read = _cold_load([path], path, {"w": 1}, layout, bound)
+    assert_layout_matches(got, full, {"w": 1}, layout)
+    assert read <= bound, read
 
 
 @given(strided_pieces())
@@ -239,9 +265,114 @@ def test_a_column_slice_next_to_a_cached_one_reads_its_own_pages(
     full = {"w": torch.randn(2048, 8192, generator=g)}  # 64 MiB
     path = tmp_path / "model.safetensors"
     save_file(full, path)
-    _cold_load([path], path, {"w": 1}, lazyckpt.Layout(tp_size=8, tp_rank=0))
     layout = lazyckpt.Layout(tp_size=8, tp_rank=1)
-    got, read = _measured_load(path, {"w": 1}, layout)  # after rank 0, not dropped again
-    assert_layout_matches(got, full, {"w": 1}, layout)
     rows, slice_bytes = full["w"].shape[0], full["w"].shape[1] * 4 // 8
-    assert read <= rows * (slice_bytes // PAGE + 1) * PAGE + _SLACK, read
+    bound = rows * (slice_bytes // PAGE + 1) * PAGE + _SLACK
+
+    def after_rank_0() -> tuple[dict[str, torch.Tensor], int]:
+        _drop([path])
+        _measured_load(path, {"w": 1}, lazyckpt.Layout(tp_size=8, tp_rank=0))
+        return _measured_load(path, {"w": 1}, layout)  # not dropped again
+
+    got, read = _within(bound, after_rank_0)
+    assert_layout_matches(got, full, {"w": 1}, layout)
+    assert read <= bound, read
+
+
+# -- is it cached: the two ways of asking ----------------------------------------------------
+
+
+def test_cachestat_counts_the_cached_pages_without_reading_them(tmp_path: Path, cold: None) -> None:
+    from lazyckpt import readahead
+
+    if readahead._syscall is None:
+        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 * PAGE))
+    _drop([path])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        before = _disk_reads()
+        assert readahead._all_cached(fd, 0, 64 * PAGE) is False
+        assert readahead._all_cached(fd, 5 * PAGE + 1, 5 * PAGE + 2) is False
+        assert _disk_reads() == before  # asking read nothing
+        os.pread(fd, 8 * PAGE, 8 * PAGE)  # pages 8-15
+        assert readahead._all_cached(fd, 8 * PAGE + 100, 16 * PAGE) is True
+        assert readahead._all_cached(fd, 8 * PAGE, 16 * PAGE + 1) is False  # one page more
+        assert readahead._all_cached(fd, 0, 64 * PAGE) is False
+    finally:
+        os.close(fd)
+
+
+def test_the_nowait_probe_tells_a_cached_page_from_a_dropped_one(
+    tmp_path: Path, cold: None
+) -> None:
+    # Where cachestat cannot be asked. A probe starts reading the page it misses, and on a fast
+    # device that read can end before the probe returns ("cached"): 1 in ~2,000 here, so of
+    # three files dropped and probed, one at least must come back "not cached".
+    from lazyckpt import readahead
+
+    if not readahead._NOWAIT:
+        pytest.skip("no RWF_NOWAIT here")
+    answers = []
+    for i in range(3):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(os.urandom(16 * PAGE))
+        _drop([path])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            answers.append(readahead._probe(fd, 3 * PAGE + 7, 9 * PAGE))
+            os.pread(fd, 16 * PAGE, 0)
+            assert readahead._probe(fd, 3 * PAGE + 7, 9 * PAGE) is True
+        finally:
+            os.close(fd)
+    assert False in answers, answers
+
+
+@pytest.mark.parametrize("how", ["cachestat", "probe"])
+def test_advice_goes_to_uncached_pieces_only(
+    tmp_path: Path, cold: None, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # A column slice (4 KiB of each 16 KiB row, at byte 4096 of it) asked for in three files
+    # just dropped, then again once they are cached: advice (the real one, recorded) for the
+    # pages of its rows the first time, none the second.
+    from lazyckpt import readahead
+
+    if how == "cachestat" and readahead._syscall is None:
+        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    if how == "probe":
+        if not readahead._NOWAIT:
+            pytest.skip("no RWF_NOWAIT here")
+        monkeypatch.setattr(readahead, "_syscall", None)
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((offset, offset + length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    rows = 64
+    wanted = [(r * 4 * PAGE + PAGE, r * 4 * PAGE + 2 * PAGE) for r in range(rows)]
+    cold_answers = []
+    for i in range(3):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(os.urandom(rows * 4 * PAGE))
+        _drop([path])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            args = (fd, rows * 4 * PAGE, PAGE, [rows, PAGE // 4], [PAGE, 1], 4)
+            advised.clear()
+            readahead.read_ahead(*args)
+            cold_answers.append(list(advised))
+            os.pread(fd, rows * 4 * PAGE, 0)
+            advised.clear()
+            readahead.read_ahead(*args)
+            assert advised == []
+        finally:
+            os.close(fd)
+    # The probe's own read can end before it returns (see lazyckpt.readahead): one file of
+    # three is enough there; cachestat must see all three.
+    assert all(a == wanted for a in cold_answers if a), cold_answers
+    assert sum(1 for a in cold_answers if a) >= (3 if how == "cachestat" else 1), cold_answers
