@@ -140,8 +140,8 @@ def _within(
     The second go is for pages that lazyckpt asked for and the kernel reclaimed before they
     were touched (memory pressure, or proactive reclaim: this VM runs DAMON's ``pageout``).
     The fault on such a page reads the device's read-ahead window around it, as without any
-    advice. Seen in 2 loads of 1,500 (``missing`` pages checked with ``cachestat`` right after
-    the advice); a load that reads too much for any other reason does so both times.
+    advice: 4 loads of about 2,800 in a loop of the TP-4 slice below (benchmarks/HISTORY.md,
+    thirteenth session). A load that reads too much for any other reason does so both times.
     """
     got, read = measure()
     if read > bound:
