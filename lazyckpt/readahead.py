@@ -7,7 +7,7 @@ on, a virtio disk), and a rank that reads 1/8 of each tensor then read 1.15-4x t
 needed from disk, cold: FSDP ``fsdp8-r0`` from Meta's MP-8 files 1,023 MB for its 253 MB,
 from Hugging Face safetensors through ``lazy_load`` 822 MB. With this module's advice those
 loads read 253-255 MB, and were no slower cold (see benchmarks/README.md, "Cold page cache");
-a warm load pays up to three probes (one per page) per piece read through a mapping.
+a warm load pays one to three ``cachestat`` calls per piece read through a mapping.
 
 * Every file lazyckpt opens to read is advised ``POSIX_FADV_RANDOM`` (:func:`no_readahead`):
   a ``pread`` then reads exactly its pages, and leaves no read-ahead mark behind it (a later
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
 import sys
@@ -60,8 +61,8 @@ one buffer made per call, so that threads reading ahead at once do not share it.
 
 
 def _load_cachestat() -> Callable[..., int] | None:
-    """``syscall`` from the C library when ``cachestat`` may exist here, else None (the
-    first call that fails turns it off: an older kernel, or a sandbox that refuses it)."""
+    """``syscall`` from the C library when ``cachestat`` may exist here, else None (a call
+    that finds no such system call, a kernel before 6.5, turns it off for the process)."""
     if not sys.platform.startswith("linux") or platform.machine() not in _CACHESTAT_MACHINES:
         return None
     try:
@@ -77,15 +78,21 @@ _syscall = _load_cachestat()
 
 def _all_cached(fd: int, start: int, stop: int) -> bool | None:
     """Whether every page of bytes ``[start, stop)`` of ``fd`` is in the page cache (or being
-    read into it), asked without reading anything; None when ``cachestat`` cannot be asked."""
+    read into it), asked without reading anything; None when ``cachestat`` cannot be asked.
+
+    A refusal holds for this call only: recent kernels (6.18 here) refuse (``EPERM``) a file
+    the caller may neither write nor owns, a shared model store's say, and a sandbox may refuse
+    every call; the probe answers for those (a refused call costs ~1 us)."""
     global _syscall
-    if _syscall is None:
+    call = _syscall  # once: another thread may turn it off meanwhile
+    if call is None:
         return None
     first = start - start % PAGE
     length = stop - first
     buf = _Stat(first, length)
-    if _syscall(_CACHESTAT, fd, buf, ctypes.byref(buf, 16), 0) != 0:
-        _syscall = None
+    if call(_CACHESTAT, fd, buf, ctypes.byref(buf, 16), 0) != 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _syscall = None
         return None
     return buf[2] * PAGE >= length
 
@@ -112,17 +119,18 @@ def read_ahead(
 ) -> None:
     """Ask the kernel to read the pages of a strided piece (first element at byte ``first``)
     that is about to be read through a mapping, or by ``pread``s of its runs, unless they are
-    cached: the first, middle and last byte of its middle run (``middle``, when the caller has
-    it from :func:`lazyckpt.plan.middle_run`) are probed, each page once, pages the piece holds
+    cached: the pages of its middle run (``middle``, when the caller has it from
+    :func:`lazyckpt.plan.middle_run`) are asked about, all of them when the run spans at most
+    :data:`_RANGE_PAGES` pages, else those of its first, middle and last byte, pages the piece holds
     (the middle of its span may be a gap another rank read, and a run's end pages may be shared
     with a neighbour that was read: either may be cached while the rest is not). The pages are
     those of :func:`lazyckpt.plan.page_ranges`: the span, or each run's pages where the span is
     mostly gaps.
 
-    A probe is a ``cachestat`` call over the run's pages (up to :data:`_RANGE_PAGES` of them),
-    or over each of the three pages. Without ``cachestat`` it is a 1-byte ``preadv`` that may
-    not wait for the device (``RWF_NOWAIT``): it fails where the page is not cached (and starts
-    reading that one page). Where neither can be asked, nothing is advised: the kernel's own
+    They are asked about with one ``cachestat`` call over the run's pages, or one for each of
+    the three pages. Without ``cachestat`` the first, middle and last pages are probed with a
+    1-byte ``preadv`` that may not wait for the device (``RWF_NOWAIT``): it fails where the page
+    is not cached (and starts reading that one page). Where neither can be asked, nothing is advised: the kernel's own
     read-ahead is left alone. A warm load pays the probes for every piece (``lazy_load`` makes
     them back to back for the keys ahead, see ``Reader.find_view``)."""
     start, stop = middle if middle is not None else middle_run(first, sizes, strides, itemsize)

@@ -10,6 +10,8 @@ device whose read-ahead window is larger than the pieces (8 MiB on the VM they w
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -141,7 +143,10 @@ def _within(
     were touched (memory pressure, or proactive reclaim: this VM runs DAMON's ``pageout``).
     The fault on such a page reads the device's read-ahead window around it, as without any
     advice: 4 loads of about 2,800 in a loop of the TP-4 slice below (benchmarks/HISTORY.md,
-    thirteenth session). A load that reads too much for any other reason does so both times.
+    thirteenth session). A load that reads too much every time (a regression) still fails; one
+    that does so once in hundreds, whatever the cause, passes: on a kernel without
+    ``cachestat``, the ``RWF_NOWAIT`` probe's own misreadings (see lazyckpt.readahead) among
+    them. The probe's wiring has its own test (``test_advice_goes_to_uncached_pieces_only``).
     """
     got, read = measure()
     if read > bound:
@@ -327,6 +332,92 @@ def test_the_nowait_probe_tells_a_cached_page_from_a_dropped_one(
         finally:
             os.close(fd)
     assert False in answers, answers
+
+
+def test_a_refused_cachestat_call_leaves_it_on_for_other_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A closed descriptor (EBADF) here; in the field, a file the caller may neither write nor
+    # own (EPERM on recent kernels). Either way the probe answers for that call only.
+    from lazyckpt import readahead
+
+    if readahead._syscall is None:
+        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    monkeypatch.setattr(readahead, "_syscall", readahead._syscall)  # put back if it fails
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 * PAGE))
+    fd = os.open(path, os.O_RDONLY)
+    os.close(fd)
+    assert readahead._all_cached(fd, 0, PAGE) is None
+    assert readahead._syscall is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert readahead._all_cached(fd, 0, 4 * PAGE) is True  # just written: cached
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root")
+def test_cachestat_refused_for_a_file_the_caller_may_not_write(tmp_path: Path) -> None:
+    # In a child that became another user: a root-owned file it may only read, where a kernel
+    # that refuses cachestat (EPERM) must not turn it off for the files the user owns.
+    from lazyckpt import readahead
+
+    if readahead._syscall is None:
+        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    nobody = 65534
+    theirs, mine = tmp_path / "root_owned.bin", tmp_path / "mine.bin"
+    for path in (theirs, mine):
+        path.write_bytes(os.urandom(2 * PAGE))
+    theirs.chmod(0o644)
+    os.chown(mine, nobody, nobody)
+    fds = [os.open(theirs, os.O_RDONLY), os.open(mine, os.O_RDONLY)]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no torch, only the calls
+        try:
+            os.setgid(nobody)
+            os.setuid(nobody)
+            answer = readahead._all_cached(fds[0], 0, PAGE)
+            refused = ctypes.get_errno()
+            still_on = readahead._syscall is not None
+            own = readahead._all_cached(fds[1], 0, 2 * PAGE)
+            os.write(w, f"{answer} {refused} {still_on} {own}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        words = f.read().split()
+    os.waitpid(pid, 0)
+    for fd in fds:
+        os.close(fd)
+    assert len(words) == 4, words
+    answer, refused, still_on, own = words
+    if answer != "None":
+        pytest.skip(f"this kernel answers cachestat for a file the caller may not write ({answer})")
+    assert int(refused) == errno.EPERM, words
+    assert still_on == "True" and own == "True", words
+
+
+def test_every_page_of_a_short_run_is_asked_about(tmp_path: Path, cold: None) -> None:
+    # A run of 5 pages whose first, middle and last pages are cached and the two between are
+    # not: three single probes would call it cached; cachestat counts the whole run.
+    from lazyckpt import readahead
+
+    if readahead._syscall is None:
+        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(8 * PAGE))
+    _drop([path])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for page in (1, 3, 5):
+            os.pread(fd, PAGE, page * PAGE)
+        assert readahead._all_cached(fd, 2 * PAGE, 3 * PAGE) is False
+        readahead.read_ahead(fd, 8 * PAGE, PAGE, [5 * PAGE // 4], [1], 4)  # pages 1-5
+        assert readahead._all_cached(fd, PAGE, 6 * PAGE) is True  # advised: all asked for
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("how", ["cachestat", "probe"])
