@@ -376,8 +376,12 @@ def test_cachestat_refused_for_a_file_the_caller_may_not_write(tmp_path: Path) -
     pid = os.fork()
     if pid == 0:  # the child: no pytest, no torch, only the calls
         try:
-            os.setgid(nobody)
-            os.setuid(nobody)
+            try:
+                os.setgid(nobody)
+                os.setuid(nobody)
+            except OSError:  # a container without the capability
+                os.write(w, b"cannot switch user")
+                raise
             answer = readahead._all_cached(fds[0], 0, PAGE)
             refused = ctypes.get_errno()
             still_on = readahead._syscall is not None
@@ -391,6 +395,8 @@ def test_cachestat_refused_for_a_file_the_caller_may_not_write(tmp_path: Path) -
     os.waitpid(pid, 0)
     for fd in fds:
         os.close(fd)
+    if words[:1] == ["cannot"]:
+        pytest.skip("cannot switch to another user here")
     assert len(words) == 4, words
     answer, refused, still_on, own = words
     if answer != "None":
