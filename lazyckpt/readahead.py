@@ -51,7 +51,7 @@ window and the device's I/O size per call, 128 KiB where both are at their small
 
 _CACHESTAT = 451
 """``cachestat``'s number: one for every architecture but alpha (new calls share numbers)."""
-_CACHESTAT_MACHINES = {"x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64", "loongarch64"}
+_CACHESTAT_MACHINES = {"x86_64", "aarch64", "ppc64le", "s390x", "riscv64", "loongarch64"}
 _RANGE_PAGES = 64
 """A run of at most this many pages is counted in one ``cachestat`` call; a longer one is
 checked at its first, middle and last page (the walk costs with the pages it covers)."""
