@@ -76,6 +76,10 @@ class KeyRules:
         """The key's name after ``key_map`` (``None``: dropped)."""
         return apply_key_map(self.key_map, source_key)
 
+    def wants(self, source_key: str) -> bool:
+        """Whether ``key_map`` keeps the key."""
+        return self.target(source_key) is not None
+
     def shard_dim(
         self, source_key: str, shard_shapes: Sequence[tuple[int, ...]] | None = None
     ) -> int | None:

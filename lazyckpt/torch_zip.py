@@ -178,7 +178,27 @@ def _as_sizes(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> Any:
+def _rebuild_tensor(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    hooks: Any = None,
+    metadata: Any = None,
+    *_: Any,
+) -> Any:
+    if metadata and isinstance(metadata, dict) and (metadata.get("conj") or metadata.get("neg")):
+        # torch.save keeps a conjugate or negative view's bit here and its raw storage:
+        # torch.load sets the bit again, and the values are the conjugate (or negation) of
+        # the bytes. Refused rather than handed out as the bytes say.
+        kind, op = (
+            ("conjugate", "conjugates") if metadata.get("conj") else ("negative", "negations")
+        )
+        return Unsupported(
+            f"a {kind} view (its values are the {op} of the values its bytes hold)",
+            "save t.resolve_conj().resolve_neg() instead",
+        )
     if type(storage) is not _StorageRef:
         if isinstance(storage, Unsupported):
             return storage
@@ -198,6 +218,7 @@ def _rebuild_tensor_v3(
     requires_grad: Any,
     hooks: Any,
     dtype: Any,
+    metadata: Any = None,
     *_: Any,
 ) -> Any:
     if not isinstance(dtype, torch.dtype):
@@ -211,7 +232,7 @@ def _rebuild_tensor_v3(
                 f"storage {storage.key} of {nbytes} bytes is not a whole number of {dtype} elements"
             )
         storage = _StorageRef(storage.key, dtype, nbytes // dtype.itemsize)
-    return _rebuild_tensor(storage, storage_offset, size, stride)
+    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, hooks, metadata)
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
@@ -395,10 +416,10 @@ class TorchArchive:
             "with restrict=False"
         )
 
-    def state_dict(self) -> dict[str, StoredTensor]:
+    def state_dict(self, keep: Callable[[str], bool] | None = None) -> dict[str, StoredTensor]:
         """The flat state dict (see :func:`flatten_state_dict`); a forbidden global anywhere in
         the file is an error, named by key where it sits in the state dict."""
-        flat = flatten_state_dict(self.obj, self.path)
+        flat = flatten_state_dict(self.obj, self.path, keep)
         if self.forbidden:
             raise CorruptModelCheckpointError(self.path, self.forbidden_message())
         return flat
@@ -518,14 +539,14 @@ def read_torch_archive(
 
 
 def read_torch_set(
-    files: Sequence[Path], *, restrict: bool = True
+    files: Sequence[Path], *, restrict: bool = True, keep: Callable[[str], bool] | None = None
 ) -> list[tuple[TorchArchive, dict[str, StoredTensor]]]:
     """Every file's archive and flat state dict, for files saved alike (the rank files of a
     model-parallel set, the shards of a fairseq2 stage). They usually hold one ``data.pkl``
     and, but for their data and its CRCs, the same bytes: it is unpickled and flattened once
     (``PickleMemo``), and a file that repeats a checked one is recognised by comparing those
     bytes (``ShapeMemo``) instead of being parsed again (MP-8: ~0.1 ms a file against 1.4 for
-    the first, parsed and its shape kept)."""
+    the first, parsed and its shape kept). ``keep``: see :func:`flatten_state_dict`."""
     out = []
     memo: PickleMemo = {}
     shapes: ShapeMemo | None = {} if len(files) > 1 else None
@@ -534,7 +555,7 @@ def read_torch_set(
         archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
         flat = flats.get(id(archive.obj))
         if flat is None:
-            flat = flats[id(archive.obj)] = archive.state_dict()
+            flat = flats[id(archive.obj)] = archive.state_dict(keep)
         out.append((archive, flat))
     return out
 
@@ -603,7 +624,9 @@ def _read_archive(
     if pkl[1] > _MAX_PICKLE_BYTES:
         raise CorruptModelCheckpointError(path, f"data.pkl is {pkl[1]} bytes, too large")
     data = span.read(*pkl)
-    if zlib.crc32(data) != pickles[0].crc:
+    # A CRC of 0 is what torch writes when saving with compute_crc32=False
+    # (torch.utils.serialization.config.save), and torch.load reads such files.
+    if pickles[0].crc and zlib.crc32(data) != pickles[0].crc:
         raise CorruptModelCheckpointError(
             path, "data.pkl fails its zip CRC check: the file is damaged; copy it again"
         )
@@ -674,12 +697,15 @@ def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str]]:
 # -- state dicts -----------------------------------------------------------------------------
 
 
-def flatten_state_dict(obj: Any, path: Path) -> dict[str, StoredTensor]:
+def flatten_state_dict(
+    obj: Any, path: Path, keep: Callable[[str], bool] | None = None
+) -> dict[str, StoredTensor]:
     """The flat ``{key: tensor}`` of a loaded torch object.
 
     A dict whose ``"model"`` or ``"state_dict"`` entry is a dict is unwrapped to it (training
     checkpoints keep optimizer state and counters beside the weights). Nested dicts are joined
-    with ``.``. Any other value is an error naming the key.
+    with ``.``. Any other value is an error naming the key, unless ``keep(key)`` says the load
+    does not want it (``options.key_map`` dropped it: a module's ``_extra_state``, say).
     """
     if isinstance(obj, Unsupported):
         raise CorruptModelCheckpointError(path, f"the file holds {obj.what}; {obj.hint}")
@@ -695,11 +721,17 @@ def flatten_state_dict(obj: Any, path: Path) -> dict[str, StoredTensor]:
             obj = inner
             break
     out: dict[str, StoredTensor] = {}
-    _flatten(obj, "", out, path)
+    _flatten(obj, "", out, path, keep)
     return out
 
 
-def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], path: Path) -> None:
+def _flatten(
+    obj: Mapping[Any, Any],
+    prefix: str,
+    out: dict[str, StoredTensor],
+    path: Path,
+    keep: Callable[[str], bool] | None,
+) -> None:
     for k, v in obj.items():
         if not isinstance(k, str):
             raise CorruptModelCheckpointError(
@@ -713,7 +745,9 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], 
                 )
             out[key] = v
         elif isinstance(v, Mapping):
-            _flatten(v, key + ".", out, path)
+            _flatten(v, key + ".", out, path, keep)
+        elif keep is not None and not keep(key):
+            continue  # not a tensor, but dropped by the caller's key_map
         elif isinstance(v, Unsupported):
             raise CorruptModelCheckpointError(
                 path, f"key {key!r} holds {v.what}, which lazyckpt cannot load; {v.hint}", key=key
@@ -722,6 +756,8 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, out: dict[str, StoredTensor], 
             raise CorruptModelCheckpointError(
                 path,
                 f"key {key!r} holds a {type(v).__name__}, not a tensor; a state dict may "
-                "only hold tensors (remove it, or wrap the weights under 'model')",
+                "only hold tensors: drop the key with options.key_map (a function returning "
+                "None for it), remove it from the file, or save the weights under 'model' "
+                "beside it",
                 key=key,
             )

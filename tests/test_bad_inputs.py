@@ -851,7 +851,36 @@ def test_training_checkpoint_with_objects_beside_the_weights(tmp_path: Path, ext
 )
 def test_torch_non_tensor_values(tmp_path: Path, value: Any, kind: str) -> None:
     torch.save({"pt_key_weight": torch.ones(3), "odd_value_key": value}, tmp_path / "m.pt")
-    fails(tmp_path / "m.pt", CORRUPT, ("m.pt", "odd_value_key"))
+    fails(tmp_path / "m.pt", CORRUPT, ("m.pt", "odd_value_key", "key_map"))
+
+
+def test_torch_non_tensor_values_dropped_by_key_map(tmp_path: Path) -> None:
+    # A module's get_extra_state() lands in its state dict (Transformer Engine, quantized
+    # modules): a key_map that drops those keys loads the rest, as DESIGN.md's key_map
+    # promises ("rename or drop keys before anything is read"); a model-parallel set too.
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self) -> Any:
+            return {"scale": 1.5, "recipe": "delayed"}
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    sd = torch.nn.Sequential(WithExtra(4, 3)).state_dict()
+    assert "0._extra_state" in sd
+    torch.save(sd, tmp_path / "m.pt")
+    folder = tmp_path / "mp"
+    folder.mkdir()
+    for r in range(2):
+        shard = {k: (v.chunk(2, 0)[r].clone() if k == "0.weight" else v) for k, v in sd.items()}
+        torch.save(shard, folder / f"consolidated.{r:02d}.pth")
+
+    def drop_extra(key: str) -> str | None:
+        return None if "._extra_state" in key else key
+
+    want = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    assert_same(load(tmp_path / "m.pt", key_map=drop_extra), want)
+    assert_same(load(folder, {"0.weight": 0}, key_map=drop_extra), want)
+    fails(tmp_path / "m.pt", CORRUPT, ("m.pt", "0._extra_state.scale", "key_map"))
 
 
 def test_torch_top_level_not_a_state_dict(tmp_path: Path) -> None:
@@ -869,8 +898,12 @@ def test_torch_top_level_not_a_state_dict(tmp_path: Path) -> None:
         lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8),
         lambda: torch.ones(3).as_subclass(MyTensor),
         lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        # torch.save keeps these bits in the pickle's metadata and the raw bytes in the
+        # record: read as the bytes say, their values came out conjugated / negated.
+        lambda: torch.tensor([[1 + 2j, 3 - 4j]]).conj(),
+        lambda: torch.tensor([1 + 1j, 2 - 3j]).conj().imag,
     ],
-    ids=["sparse-coo", "sparse-csr", "quantized", "subclass", "nested"],
+    ids=["sparse-coo", "sparse-csr", "quantized", "subclass", "nested", "conj-view", "neg-view"],
 )
 def test_torch_unsupported_tensor_kinds(tmp_path: Path, make: Callable[[], torch.Tensor]) -> None:
     torch.save({"plain_key": torch.ones(2), "special_key": make()}, tmp_path / "m.pt")

@@ -101,6 +101,30 @@ def test_tied_tensors_each_key_appears(tmp_path: Path) -> None:
     assert torch.equal(got["half"], w[3:])
 
 
+def test_files_saved_without_crcs_load(tmp_path: Path) -> None:
+    # torch.utils.serialization.config.save.compute_crc32 = False writes a CRC of 0 in every
+    # zip header, and torch.load reads such files; a torch file and a DCP folder saved so.
+    import torch.distributed.checkpoint as dcp
+    import torch.utils.serialization as serialization
+
+    sd = {"w": torch.randn(6, 4), "n": torch.arange(5)}
+    saved = serialization.config.save.compute_crc32
+    serialization.config.save.compute_crc32 = False
+    try:
+        torch.save(sd, tmp_path / "nocrc.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: DCP says so
+            dcp.save(sd, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    finally:
+        serialization.config.save.compute_crc32 = saved
+    assert torch.equal(torch.load(tmp_path / "nocrc.pt")["w"], sd["w"])
+    for source in (tmp_path / "nocrc.pt", tmp_path / "dcp"):
+        for mmap in (True, False):
+            for layout in LAYOUTS:
+                got = load_all(source, {"w": 1}, layout=layout, mmap=mmap)
+                assert_layout_matches(got, sd, {"w": 1}, layout)
+
+
 def test_non_contiguous_saved_views(tmp_path: Path) -> None:
     base = torch.randn(7, 5)
     sd = {"t": base.t(), "col": base[:, 2], "strided": base[::2, 1:4]}

@@ -84,7 +84,9 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
         files = rank_files(path)
         ranks = [
             (f, archive, flat)
-            for f, (archive, flat) in zip(files, read_torch_set(files, restrict=options.restrict))
+            for f, (archive, flat) in zip(
+                files, read_torch_set(files, restrict=options.restrict, keep=rules.wants)
+            )
         ]
         first_file, _, first = ranks[0]
         for f, _, flat in ranks[1:]:

@@ -95,7 +95,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             _check_grid(path, stage, tp_dirs, grid_files, stages[0], tp_size, sdp_size)
             tp_size, sdp_size = len(grid_files), len(grid_files[0])
             stage_files = [f for row in grid_files for f in row]
-            read = iter(read_torch_set(stage_files, restrict=options.restrict))
+            read = iter(read_torch_set(stage_files, restrict=options.restrict, keep=rules.wants))
             grid = [[next(read) for _ in row] for row in grid_files]
             files += stage_files
             first_file, (_, first) = grid_files[0][0], grid[0][0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import final
 
@@ -33,12 +34,15 @@ TRAINER_STATE = re.compile(
 weights, so a folder is never read as a torch checkpoint because of them."""
 
 
-def read_torch_file(path: Path, *, restrict: bool = True) -> list[FileTensor]:
-    """The tensors of one torch file, in pickle order, located but not read."""
+def read_torch_file(
+    path: Path, *, restrict: bool = True, keep: Callable[[str], bool] | None = None
+) -> list[FileTensor]:
+    """The tensors of one torch file, in pickle order, located but not read (``keep``: see
+    :func:`lazyckpt.torch_zip.flatten_state_dict`)."""
     archive = read_torch_archive(path, restrict=restrict)
     return [
         FileTensor(key, t.dtype, t.sizes, archive.region(t, key))
-        for key, t in archive.state_dict().items()
+        for key, t in archive.state_dict(keep).items()
     ]
 
 
@@ -71,7 +75,7 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
         def read(p: Path) -> list[FileTensor]:
-            return read_torch_file(p, restrict=options.restrict)
+            return read_torch_file(p, restrict=options.restrict, keep=rules.wants)
 
         return build_file_set_index(self.file_set(path), self.name, read, rules)
 
