@@ -171,6 +171,10 @@ for _attr, _name in (
 ):
     if hasattr(torch, _attr):
         _ST_DTYPES[getattr(torch, _attr)] = _name
+_PACKED = getattr(torch, "float4_e2m1fn_x2", None)
+"""Written as ``F4``, whose shape counts 4-bit values: the last dim doubled."""
+if _PACKED is not None:
+    _ST_DTYPES[_PACKED] = "F4"
 
 
 class SafetensorsWriter:
@@ -186,10 +190,10 @@ class SafetensorsWriter:
         self.path = path
         self.specs = {s.key: s for s in specs}
         for s in specs:
-            if s.dtype not in _ST_DTYPES:
+            if s.dtype not in _ST_DTYPES or (s.dtype == _PACKED and not s.shape):
                 raise ValueError(
-                    f"key {s.key!r} has dtype {s.dtype}, which safetensors cannot store; "
-                    "pass --dtype or write --format consolidated"
+                    f"key {s.key!r} has dtype {s.dtype}{' and no dims' if s.shape == () else ''}, "
+                    "which safetensors cannot store; pass --dtype or write --format consolidated"
                 )
         order = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.key))
         header: dict[str, Any] = {}
@@ -200,7 +204,7 @@ class SafetensorsWriter:
         for s in order:
             header[s.key] = {
                 "dtype": _ST_DTYPES[s.dtype],
-                "shape": list(s.shape),
+                "shape": [*s.shape[:-1], s.shape[-1] * 2] if s.dtype == _PACKED else list(s.shape),
                 "data_offsets": [cursor, cursor + s.nbytes],
             }
             self.offsets[s.key] = cursor

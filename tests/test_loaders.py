@@ -374,6 +374,27 @@ def test_packed_float4_keeps_its_dtype_under_a_cast(tmp_path: Path) -> None:
         lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float4_e2m1fn_x2)
 
 
+def test_packed_float4_in_safetensors_loads_and_is_written_back(tmp_path: Path) -> None:
+    # safetensors writes float4_e2m1fn_x2 as "F4", its shape counting 4-bit values (the last
+    # dim twice torch's): read as safetensors.load_file reads it, sharded on either dim, and
+    # written back by `reshard --format safetensors` as safetensors reads it.
+    from lazyckpt.writers import reshard
+
+    x = _random_bits(torch.float4_e2m1fn_x2, (4, 6), 7)
+    y = _random_bits(torch.float4_e2m1fn_x2, (6, 2), 8)
+    save_file({"x": x, "y": y}, tmp_path / "m.safetensors")
+    assert same_bits(load_file(tmp_path / "m.safetensors")["x"], x)
+    dims = {"x": 1, "y": 0}
+    for mmap in (True, False):
+        for layout in LAYOUTS:
+            got = load_all(tmp_path / "m.safetensors", dims, layout=layout, mmap=mmap)
+            assert_layout_matches(got, {"x": x, "y": y}, dims, layout)
+    reshard(tmp_path / "m.safetensors", tmp_path / "out", dims, tp=2, fmt="safetensors")
+    for rank, f in enumerate(sorted((tmp_path / "out").glob("*.safetensors"))):
+        back = load_file(f)
+        assert same_bits(back["x"], x.chunk(2, 1)[rank]) and same_bits(back["y"], y.chunk(2, 0)[rank])
+
+
 def test_a_safetensors_header_longer_than_the_first_read_is_read_whole(tmp_path: Path) -> None:
     # The header is read with one 16 KiB pread where it fits; 3,000 keys take ~200 KiB.
     from lazyckpt.loaders.safetensors import _FIRST_READ

@@ -63,6 +63,18 @@ for _name, _attr in (
 ):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
+_PACKED = "F4"
+"""Two 4-bit values a byte: the header's shape counts values, and torch's
+``float4_e2m1fn_x2`` counts bytes, so the last dim is halved (as ``safetensors.torch`` does)."""
+if hasattr(torch, "float4_e2m1fn_x2"):
+    _DTYPES[_PACKED] = torch.float4_e2m1fn_x2
+
+
+def _packed_sizes(shape: list[int]) -> list[int] | None:
+    """An ``F4`` shape in bytes of two values, or None where its last dim cannot be halved."""
+    if not shape or shape[-1] % 2:
+        return None
+    return [*shape[:-1], shape[-1] // 2]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -238,6 +250,11 @@ def _valid_entry(info: Any, data_len: int) -> tuple[torch.dtype, tuple[int, ...]
         if type(n) is not int or not 0 <= n <= MAX_INT64:
             return None
         numel *= n
+    if name == _PACKED:
+        packed = _packed_sizes(shape)
+        if packed is None:
+            return None
+        shape, numel = packed, numel // 2
     if numel * dtype.itemsize != end - begin:
         return None
     return dtype, tuple(shape), begin, end
@@ -268,13 +285,19 @@ def _parse_entry(
             f"data_offsets [{begin}, {end}] run past the {data_len} data bytes; the file is truncated"
         )
     dtype = _DTYPES[dtype_name]
-    numel = math.prod(shape)
+    if dtype_name == _PACKED:
+        packed = _packed_sizes(shape)
+        if packed is None:
+            raise bad(f"shape {shape} of {dtype_name} (two values a byte) has no even last dim")
+        numel = math.prod(packed)
+    else:
+        packed, numel = None, math.prod(shape)
     if numel * dtype.itemsize != end - begin:
         raise bad(
             f"shape {shape} of {dtype_name} needs {numel * dtype.itemsize} bytes but data_offsets "
             f"span {end - begin}"
         )
-    sizes = tuple(shape)
+    sizes = tuple(shape if packed is None else packed)
     region = FileRegion(path, data_start + begin, contiguous_strides(sizes))
     return begin, end, FileTensor(key, dtype, sizes, region)
 
