@@ -87,14 +87,38 @@ def assert_loads_exactly_or_fails_cleanly(
     assert set(got) == set(full), f"{what}: keys {sorted(got)} != {sorted(full)}"
     for key, t in full.items():
         if not t.numel():
-            # An empty reference may keep a stride or offset that no element uses, past what
-            # torch.chunk can add up (the pickle's); only its shape and dtype say anything.
-            t = torch.empty(t.shape, dtype=t.dtype)
+            # An empty reference may keep a stride or offset that no element uses, or a size
+            # near 2**63 beside a 0, past what torch.chunk can add up (it overflows): only its
+            # shape and dtype say anything, and the rank's shape is integer arithmetic.
+            shape = _expected_shape(tuple(t.shape), shard_dims.get(key), layout)
+            assert got[key].dtype == t.dtype and tuple(got[key].shape) == shape, (
+                f"{what}: wrong empty tensor for {key!r}: got {got[key].dtype} "
+                f"{tuple(got[key].shape)}, want {t.dtype} {shape}"
+            )
+            continue
         want = expected(t, shard_dims.get(key), layout)
         assert same_bits(got[key], want), (
             f"{what}: wrong tensor for {key!r}: got {got[key].dtype} {tuple(got[key].shape)}, "
             f"want {want.dtype} {tuple(want.shape)}"
         )
+
+
+def _expected_shape(
+    shape: tuple[int, ...], dim: int | None, layout: lazyckpt.Layout
+) -> tuple[int, ...]:
+    """The shape ``helpers.expected`` gives, by DTensor's ``Shard`` rule in Python integers:
+    pieces of ``ceil(n / parts)``, the last ones short or empty."""
+
+    def cut(sizes: tuple[int, ...], d: int, parts: int, index: int) -> tuple[int, ...]:
+        n = sizes[d]
+        step = -(-n // parts)
+        return (*sizes[:d], max(0, min(n, (index + 1) * step) - index * step), *sizes[d + 1 :])
+
+    if dim is not None and layout.tp_size > 1:
+        shape = cut(shape, dim, layout.tp_size, layout.tp_rank)
+    if layout.dp_size > 1 and shape:
+        shape = cut(shape, 0, layout.dp_size, layout.dp_rank)
+    return shape
 
 
 _names = itertools.count()
