@@ -89,6 +89,16 @@ class _Target:
     def global_shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
 
+    @functools.cached_property
+    def memory(self) -> object:
+        """What makes two keys one tensor for ties: the same tensor object, or, on a real
+        device, the same view of the same storage (two ``Parameter``s made over one tensor),
+        which two parallel writes would tear."""
+        t = self.tensor
+        if self.is_dtensor or t.is_meta or t.numel() == 0:
+            return id(t)
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
 
 def _targets(model: nn.Module) -> dict[str, _Target]:
     """The model's state-dict keys (parameters and persistent buffers), ties included."""
@@ -97,11 +107,22 @@ def _targets(model: nn.Module) -> dict[str, _Target]:
         prefix = f"{module_name}." if module_name else ""
         for attr, p in module._parameters.items():
             if p is not None:
+                _refuse_lazy(prefix + attr, p)
                 out.setdefault(prefix + attr, _Target(p, [])).owners.append((module, attr, True))
         for attr, b in module._buffers.items():
             if b is not None and attr not in module._non_persistent_buffers_set:
+                _refuse_lazy(prefix + attr, b)
                 out.setdefault(prefix + attr, _Target(b, [])).owners.append((module, attr, False))
     return out
+
+
+def _refuse_lazy(key: str, t: torch.Tensor) -> None:
+    """A lazy module's parameter has no shape until its first forward: nothing to plan for."""
+    if nn.parameter.is_lazy(t):
+        raise ValueError(
+            f"{key!r} is an uninitialized parameter of a lazy module (nn.LazyLinear and the "
+            "like): run one forward pass (or build the module with its sizes) before load_into"
+        )
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -341,19 +362,19 @@ def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list
     """Checkpoint keys whose target tensor another key of the checkpoint, later in the model's
     state-dict order, fills too (tied weights saved under both names): ``load_state_dict``
     copies in that order, so the last one is what it leaves."""
-    last = {id(t.tensor): key for key, t in targets.items() if key in loaded}
-    return [key for key in loaded if last[id(targets[key].tensor)] != key]
+    last = {t.memory: key for key, t in targets.items() if key in loaded}
+    return [key for key in loaded if last[targets[key].memory] != key]
 
 
 def _account_keys(
     report: LoadReport, targets: Mapping[str, _Target], loaded: Mapping[str, Any]
 ) -> None:
     """Split the model keys the checkpoint lacks into missing and filled-through-a-tie."""
-    loaded_ids = {id(targets[k].tensor) for k in loaded}
+    loaded_memory = {targets[k].memory for k in loaded}
     for key, target in targets.items():
         if key in loaded:
             continue
-        (report.tied if id(target.tensor) in loaded_ids else report.missing).append(key)
+        (report.tied if target.memory in loaded_memory else report.missing).append(key)
 
 
 def _destination(key: str, target: _Target, device: torch.device) -> torch.Tensor:

@@ -161,6 +161,37 @@ def test_a_checkpoint_holding_both_names_of_a_tied_weight(tmp_path: Path, meta: 
         assert stats.total_bytes_read == sd["a_head.weight"].nbytes
 
 
+def test_two_parameters_over_one_tensor_are_tied(tmp_path: Path) -> None:
+    # nn.Parameter(t) twice: two objects, one storage. With both names in the checkpoint and
+    # different values, load_into wrote both at once (the two threads): a torn mix, or either
+    # value, run to run. As load_state_dict: the later key's values, the other tied, not read.
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            t = torch.zeros(4, 1 << 16)
+            self.a = nn.Parameter(t)
+            self.b = nn.Parameter(t)
+
+    sd = {"a": torch.full((4, 1 << 16), 1.0), "b": torch.full((4, 1 << 16), 2.0)}
+    torch.save(sd, tmp_path / "m.pt")
+    want = Shared()
+    want.load_state_dict(torch.load(tmp_path / "m.pt"))
+    for _ in range(3):
+        model = Shared()
+        report = lazyckpt.load_into(model, tmp_path / "m.pt")
+        assert report.loaded == ["b"] and report.tied == ["a"]
+        assert torch.equal(model.a, want.a) and torch.equal(model.b, want.b)
+        assert report.stats.total_bytes_read == sd["b"].nbytes
+
+
+def test_a_lazy_module_is_refused_by_name(tmp_path: Path) -> None:
+    # nn.LazyLinear's parameters have no shape before a forward pass: torch's own error came
+    # out of the planning ("Can't access the shape of an uninitialized parameter").
+    torch.save({"0.weight": torch.randn(5, 3), "0.bias": torch.randn(5)}, tmp_path / "m.pt")
+    with pytest.raises(ValueError, match=r"'0\.weight' is an uninitialized parameter"):
+        lazyckpt.load_into(nn.Sequential(nn.LazyLinear(5)), tmp_path / "m.pt")
+
+
 def test_tied_weights_and_key_map(tmp_path: Path) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
