@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -337,6 +338,7 @@ def load_into(
     )
     if shadowed:  # two reads into one tensor would race (the threads take reads from both ends)
         plans = [p for p in plans if p.key not in shadowed]
+    _refuse_overlaps([p.key for p in plans], targets)
     destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
     pool = None
     if any(d.device.type == "cuda" for d in destinations.values()):
@@ -364,6 +366,29 @@ def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list
     copies in that order, so the last one is what it leaves."""
     last = {t.memory: key for key, t in targets.items() if key in loaded}
     return [key for key in loaded if last[targets[key].memory] != key]
+
+
+def _refuse_overlaps(keys: Sequence[str], targets: Mapping[str, _Target]) -> None:
+    """Two keys to load whose dense tensors overlap in one storage (views of one flat buffer
+    that share elements) would be written at once by the two threads: refused by name, as
+    ``load_state_dict``'s result there is its copy order's. Strided tensors are left out:
+    their spans may interleave without sharing an element (``w[::2]``, ``w[1::2]``)."""
+    spans = []
+    for key in keys:
+        target = targets[key]
+        t = target.tensor
+        if target.is_dtensor or t.is_meta or t.numel() == 0 or not t.is_contiguous():
+            continue
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        spans.append((start, start + t.numel() * t.element_size(), key))
+    spans.sort()
+    for (_, end, key), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(
+                f"{key!r} and {other!r} share memory (views of one buffer that overlap): "
+                "load_into writes keys in parallel; drop one with options.key_map, or load "
+                "them with load_state_dict"
+            )
 
 
 def _account_keys(

@@ -184,6 +184,37 @@ def test_two_parameters_over_one_tensor_are_tied(tmp_path: Path) -> None:
         assert report.stats.total_bytes_read == sd["b"].nbytes
 
 
+def test_overlapping_views_of_one_buffer_are_refused_and_interleaved_ones_load(
+    tmp_path: Path,
+) -> None:
+    # x = flat[0:2N], y = flat[N:3N]: both written at once, the shared half came out torn.
+    # Every other row of one buffer each share no element: loaded.
+    n = 1 << 14
+
+    class Overlap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            flat = torch.zeros(3 * n)
+            self.x = nn.Parameter(flat[: 2 * n])
+            self.y = nn.Parameter(flat[n:])
+
+    class Interleaved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            rows = torch.zeros(8, n)
+            self.x = nn.Parameter(rows[::2])
+            self.y = nn.Parameter(rows[1::2])
+
+    torch.save({"x": torch.full((2 * n,), 1.0), "y": torch.full((2 * n,), 2.0)}, tmp_path / "o.pt")
+    with pytest.raises(ValueError, match="'x' and 'y' share memory"):
+        lazyckpt.load_into(Overlap(), tmp_path / "o.pt")
+    sd = {"x": torch.randn(4, n), "y": torch.randn(4, n)}
+    torch.save(sd, tmp_path / "i.pt")
+    model = Interleaved()
+    lazyckpt.load_into(model, tmp_path / "i.pt")
+    assert torch.equal(model.x, sd["x"]) and torch.equal(model.y, sd["y"])
+
+
 def test_a_lazy_module_is_refused_by_name(tmp_path: Path) -> None:
     # nn.LazyLinear's parameters have no shape before a forward pass: torch's own error came
     # out of the planning ("Can't access the shape of an uninitialized parameter").
