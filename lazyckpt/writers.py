@@ -177,6 +177,17 @@ if _PACKED is not None:
     _ST_DTYPES[_PACKED] = "F4"
 
 
+def _check_storable(spec: TensorSpec) -> None:
+    """Refuse a tensor safetensors has no dtype for (or an ``F4`` one without a dim to hold
+    its pairs), naming the key: before anything is written, and again by the writer."""
+    if spec.dtype not in _ST_DTYPES or (spec.dtype == _PACKED and not spec.shape):
+        dims = " and no dims" if spec.dtype == _PACKED and not spec.shape else ""
+        raise ValueError(
+            f"key {spec.key!r} has dtype {spec.dtype}{dims}, which safetensors cannot store; "
+            "pass --dtype or use --format consolidated"
+        )
+
+
 class SafetensorsWriter:
     """A safetensors file written header first, then each tensor at its offset as it comes.
 
@@ -190,11 +201,7 @@ class SafetensorsWriter:
         self.path = path
         self.specs = {s.key: s for s in specs}
         for s in specs:
-            if s.dtype not in _ST_DTYPES or (s.dtype == _PACKED and not s.shape):
-                raise ValueError(
-                    f"key {s.key!r} has dtype {s.dtype}{' and no dims' if s.shape == () else ''}, "
-                    "which safetensors cannot store; pass --dtype or write --format consolidated"
-                )
+            _check_storable(s)
         order = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.key))
         header: dict[str, Any] = {}
         if metadata:
@@ -702,11 +709,7 @@ def reshard(
     for out in outputs:
         if out.kind == "safetensors":
             for s in out.specs:
-                if s.dtype not in _ST_DTYPES:
-                    raise ValueError(
-                        f"key {s.key!r} has dtype {s.dtype}, which safetensors cannot store; "
-                        "pass --dtype or use --format consolidated"
-                    )
+                _check_storable(s)
     # A Hugging Face index file stands for its folder; a lone weights file has no sidecars.
     in_folder = src_path.is_dir() or src_path.name.endswith(".index.json")
     sidecars = [n for n in SIDECARS if in_folder and (src_root / n).is_file()]

@@ -395,6 +395,21 @@ def test_packed_float4_in_safetensors_loads_and_is_written_back(tmp_path: Path) 
         assert same_bits(back["x"], x.chunk(2, 1)[rank]) and same_bits(back["y"], y.chunk(2, 0)[rank])
 
 
+def test_reshard_to_safetensors_refuses_what_it_cannot_store_before_writing(
+    tmp_path: Path,
+) -> None:
+    # complex128 has no safetensors dtype here, nor has a 0-d F4 a dim for its pairs: refused
+    # by key before any file is written.
+    from lazyckpt.writers import reshard
+
+    scalar4 = torch.tensor(7, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    for key, t in (("z", torch.ones(2, dtype=torch.complex128)), ("s", scalar4)):
+        torch.save({"w": torch.ones(2), key: t}, tmp_path / f"{key}.pt")
+        with pytest.raises(ValueError, match=f"key '{key}' has dtype .*cannot store"):
+            reshard(tmp_path / f"{key}.pt", tmp_path / f"out_{key}", {}, fmt="safetensors")
+        assert not (tmp_path / f"out_{key}").exists() or not any((tmp_path / f"out_{key}").iterdir())
+
+
 def test_a_safetensors_header_longer_than_the_first_read_is_read_whole(tmp_path: Path) -> None:
     # The header is read with one 16 KiB pread where it fits; 3,000 keys take ~200 KiB.
     from lazyckpt.loaders.safetensors import _FIRST_READ
