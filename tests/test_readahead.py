@@ -10,6 +10,7 @@ device whose read-ahead window is larger than the pieces (8 MiB on the VM they w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -287,17 +288,34 @@ def test_a_column_slice_next_to_a_cached_one_reads_its_own_pages(
 # -- is it cached: the two ways of asking ----------------------------------------------------
 
 
-def test_cachestat_counts_the_cached_pages_without_reading_them(tmp_path: Path, cold: None) -> None:
+def _needs_cachestat() -> None:
     from lazyckpt import readahead
 
     if readahead._syscall is None:
         pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
-    path = tmp_path / "f.bin"
-    path.write_bytes(os.urandom(64 * PAGE))
+
+
+@contextlib.contextmanager
+def _dropped_file(path: Path, nbytes: int) -> Iterator[int]:
+    """``path`` written with ``nbytes`` random bytes, dropped from the page cache, and open as
+    lazyckpt opens files (``POSIX_FADV_RANDOM``: a read reads its own pages, nothing ahead)."""
+    from lazyckpt import readahead
+
+    path.write_bytes(os.urandom(nbytes))
     _drop([path])
     fd = os.open(path, os.O_RDONLY)
-    readahead.no_readahead(fd)  # the reads below read their own pages, nothing ahead
+    readahead.no_readahead(fd)
     try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def test_cachestat_counts_the_cached_pages_without_reading_them(tmp_path: Path, cold: None) -> None:
+    from lazyckpt import readahead
+
+    _needs_cachestat()
+    with _dropped_file(tmp_path / "f.bin", 64 * PAGE) as fd:
         before = _disk_reads()
         assert readahead._all_cached(fd, 0, 64 * PAGE) is False
         assert readahead._all_cached(fd, 5 * PAGE + 1, 5 * PAGE + 2) is False
@@ -306,8 +324,6 @@ def test_cachestat_counts_the_cached_pages_without_reading_them(tmp_path: Path, 
         assert readahead._all_cached(fd, 8 * PAGE + 100, 16 * PAGE) is True
         assert readahead._all_cached(fd, 8 * PAGE, 16 * PAGE + 1) is False  # one page more
         assert readahead._all_cached(fd, 0, 64 * PAGE) is False
-    finally:
-        os.close(fd)
 
 
 def test_the_nowait_probe_tells_a_cached_page_from_a_dropped_one(
@@ -322,16 +338,10 @@ def test_the_nowait_probe_tells_a_cached_page_from_a_dropped_one(
         pytest.skip("no RWF_NOWAIT here")
     answers = []
     for i in range(3):
-        path = tmp_path / f"f{i}.bin"
-        path.write_bytes(os.urandom(16 * PAGE))
-        _drop([path])
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with _dropped_file(tmp_path / f"f{i}.bin", 16 * PAGE) as fd:
             answers.append(readahead._probe(fd, 3 * PAGE + 7, 9 * PAGE))
             os.pread(fd, 16 * PAGE, 0)
             assert readahead._probe(fd, 3 * PAGE + 7, 9 * PAGE) is True
-        finally:
-            os.close(fd)
     assert False in answers, answers
 
 
@@ -342,8 +352,7 @@ def test_a_refused_cachestat_call_leaves_it_on_for_other_files(
     # own (EPERM on recent kernels). Either way the probe answers for that call only.
     from lazyckpt import readahead
 
-    if readahead._syscall is None:
-        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    _needs_cachestat()
     monkeypatch.setattr(readahead, "_syscall", readahead._syscall)  # put back if it fails
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 * PAGE))
@@ -364,8 +373,7 @@ def test_cachestat_refused_for_a_file_the_caller_may_not_write(tmp_path: Path) -
     # that refuses cachestat (EPERM) must not turn it off for the files the user owns.
     from lazyckpt import readahead
 
-    if readahead._syscall is None:
-        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
+    _needs_cachestat()
     nobody = 65534
     theirs, mine = tmp_path / "root_owned.bin", tmp_path / "mine.bin"
     for path in (theirs, mine):
@@ -411,21 +419,13 @@ def test_every_page_of_a_short_run_is_asked_about(tmp_path: Path, cold: None) ->
     # not: three single probes would call it cached; cachestat counts the whole run.
     from lazyckpt import readahead
 
-    if readahead._syscall is None:
-        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
-    path = tmp_path / "f.bin"
-    path.write_bytes(os.urandom(8 * PAGE))
-    _drop([path])
-    fd = os.open(path, os.O_RDONLY)
-    readahead.no_readahead(fd)  # the reads below read their own pages, nothing ahead
-    try:
+    _needs_cachestat()
+    with _dropped_file(tmp_path / "f.bin", 8 * PAGE) as fd:
         for page in (1, 3, 5):
             os.pread(fd, PAGE, page * PAGE)
         assert readahead._all_cached(fd, 2 * PAGE, 3 * PAGE) is False
         readahead.read_ahead(fd, 8 * PAGE, PAGE, [5 * PAGE // 4], [1], 4)  # pages 1-5
         assert readahead._all_cached(fd, PAGE, 6 * PAGE) is True  # advised: all asked for
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("how", ["cachestat", "probe"])
@@ -437,9 +437,9 @@ def test_advice_goes_to_uncached_pieces_only(
     # pages of its rows the first time, none the second.
     from lazyckpt import readahead
 
-    if how == "cachestat" and readahead._syscall is None:
-        pytest.skip("cachestat cannot be asked here (Linux 6.5+)")
-    if how == "probe":
+    if how == "cachestat":
+        _needs_cachestat()
+    else:
         if not readahead._NOWAIT:
             pytest.skip("no RWF_NOWAIT here")
         monkeypatch.setattr(readahead, "_syscall", None)
@@ -456,11 +456,7 @@ def test_advice_goes_to_uncached_pieces_only(
     wanted = [(r * 4 * PAGE + PAGE, r * 4 * PAGE + 2 * PAGE) for r in range(rows)]
     cold_answers = []
     for i in range(3):
-        path = tmp_path / f"f{i}.bin"
-        path.write_bytes(os.urandom(rows * 4 * PAGE))
-        _drop([path])
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with _dropped_file(tmp_path / f"f{i}.bin", rows * 4 * PAGE) as fd:
             args = (fd, rows * 4 * PAGE, PAGE, [rows, PAGE // 4], [PAGE, 1], 4)
             advised.clear()
             readahead.read_ahead(*args)
@@ -469,8 +465,6 @@ def test_advice_goes_to_uncached_pieces_only(
             advised.clear()
             readahead.read_ahead(*args)
             assert advised == []
-        finally:
-            os.close(fd)
     # The probe's own read can end before it returns (see lazyckpt.readahead): one file of
     # three is enough there; cachestat must see all three.
     assert all(a == wanted for a in cold_answers if a), cold_answers
