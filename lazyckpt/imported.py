@@ -30,5 +30,8 @@ def is_device_mesh(obj: object) -> bool:
 
 
 def fsdp_module_class() -> type | None:
-    """``FSDPModule`` (what ``fully_shard`` makes a module), or None if nothing made one."""
-    return _imported("torch.distributed.fsdp", "FSDPModule")
+    """``FSDPModule`` (what ``fully_shard`` makes a module), or None if nothing made one (torch
+    2.4 and 2.5 keep it in ``torch.distributed._composable.fsdp`` only)."""
+    return _imported("torch.distributed.fsdp", "FSDPModule") or _imported(
+        "torch.distributed._composable.fsdp", "FSDPModule"
+    )

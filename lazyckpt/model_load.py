@@ -23,7 +23,7 @@ from torch import nn
 from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill_all
 from lazyckpt.errors import ModelCheckpointError
-from lazyckpt.imported import is_dtensor
+from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
@@ -99,6 +99,20 @@ class _Target:
         if self.is_dtensor or t.is_meta or t.numel() == 0:
             return id(t)
         return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Put FSDP2 modules holding their parameters unsharded back on their sharded ones, as
+    ``load_state_dict``'s pre-hook does. A root module is left unsharded after every forward
+    (``reshard_after_forward`` is False for it by default), and ``unshard()`` leaves any so: the
+    module then holds all-gathered copies, and what is written into them is lost at the next
+    reshard while the sharded parameters keep their old values."""
+    cls = fsdp_module_class()
+    if cls is None:
+        return
+    for module in model.modules():
+        if isinstance(module, cls):
+            module.reshard()  # type: ignore[operator]  # an FSDPModule method
 
 
 def _targets(model: nn.Module) -> dict[str, _Target]:
@@ -266,6 +280,7 @@ def load_into(
     checkpoint tensor is cast to its target's dtype), and nothing is read ahead of its place.
     """
     options = options or ModelCheckpointLoadOptions()
+    _reshard_fsdp(model)
     targets = _targets(model)
     # The device only serves meta tensors, which are made there: refused only if it would be.
     meta = any(not t.is_dtensor and t.tensor.is_meta for t in targets.values())

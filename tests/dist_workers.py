@@ -358,6 +358,35 @@ def check_load_into_matches_torch_sharding(rank: int, world: int, kind: str, src
         assert w.shape == g.shape and torch.equal(w, g), (rank, name, w, g)
 
 
+def check_load_into_unsharded(rank: int, world: int, kind: str, src: str) -> None:
+    """A ``kind`` FSDP2 model holding its parameters unsharded (``fsdp2``: after a forward,
+    since a root does not reshard after forward by default; ``2d``: after ``unshard()``):
+    ``load_into`` must fill the sharded parameters, as ``load_state_dict`` does, so that the
+    state dict and the next forward see the checkpoint."""
+    import lazyckpt
+
+    truth = odd_model_truth()
+    model, _ = build_odd(kind, world)
+    tokens = torch.tensor([[1, 52, 7, 30]])
+    sharded = model.up.weight
+    if kind == "fsdp2":
+        with torch.no_grad():
+            model(tokens)
+    else:
+        model.unshard()  # type: ignore[operator]  # an FSDPModule method
+    assert model.up.weight is not sharded, "the set-up left the parameters sharded"
+    lazyckpt.load_into(model, src)
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        assert torch.equal(full, truth[name]), (rank, kind, name)
+    if kind == "fsdp2":
+        reference = OddModel()
+        reference.load_state_dict(truth)
+        with torch.no_grad():
+            got, want = model(tokens), reference(tokens)
+        assert torch.allclose(got, want, atol=1e-6), (rank, got, want)
+
+
 def check_layout_helpers(rank: int, world: int) -> None:
     """``Layout.from_mesh`` and ``Layout.from_groups`` on a real (dp=2, tp=2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -13,6 +13,7 @@ from dist_workers import (
     OddModel,
     check_load_into,
     check_load_into_matches_torch_sharding,
+    check_load_into_unsharded,
     odd_model_truth,
     save_odd_dcp,
     spawn,
@@ -64,6 +65,13 @@ def test_local_shards_are_what_torch_shards_the_truth_into(
     # dp 3 x tp 2: FSDP2 over TP on dim 0 is _StridedShard(0, split_factor=2); with 53 and 7
     # rows torch's compute_local_shape_and_global_offset places rows elsewhere than FSDP2 does.
     spawn(check_load_into_matches_torch_sharding, world, kind, str(sources["safetensors"]))
+
+
+@pytest.mark.parametrize(("kind", "world"), [("fsdp2", 2), ("2d", 4)])
+def test_a_model_holding_unsharded_parameters_is_filled_in_its_sharded_ones(
+    sources: dict[str, Path], kind: str, world: int
+) -> None:
+    spawn(check_load_into_unsharded, world, kind, str(sources["pt"]))
 
 
 def test_plain_model_is_filled_in_place(sources: dict[str, Path]) -> None:
