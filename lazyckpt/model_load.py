@@ -430,11 +430,25 @@ def _destination(key: str, target: _Target, device: torch.device) -> torch.Tenso
                 f"{key} is a DTensor on the meta device; call model.to_empty(device=...) before "
                 "load_into so that FSDP/TP keep their own storage"
             )
-        return local
+        return _refuse_shared_elements(key, local)
     if t.is_meta:
         if device.type == "cpu":
             return alloc.empty(t.shape, t.dtype)
         return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return _refuse_shared_elements(key, t)
+
+
+def _refuse_shared_elements(key: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, unless several of its elements are one in memory (a stride of 0: an expanded
+    tensor), which no copy may write (``copy_`` refuses it): refused by name before anything
+    is written, where it would have stopped the load halfway with torch's message."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(
+            f"{key!r} is an expanded tensor (stride 0 on a dim of size > 1, shape "
+            f"{tuple(t.shape)}, strides {t.stride()}): its elements share memory, so it cannot "
+            "be filled; give the module a tensor of its own (.clone()) or drop the key with "
+            "options.key_map"
+        )
     return t
 
 

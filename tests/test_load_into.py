@@ -231,6 +231,22 @@ def test_a_lazy_module_is_refused_by_name(tmp_path: Path) -> None:
         lazyckpt.load_into(nn.Sequential(nn.LazyLinear(5)), tmp_path / "m.pt")
 
 
+def test_an_expanded_target_is_refused_by_name_before_anything_is_written(tmp_path: Path) -> None:
+    # copy_ refuses to write a tensor whose elements share memory; its message named no key,
+    # and came after the keys before it had been written.
+    model = nn.Module()
+    model.register_buffer("a", torch.zeros(3))
+    model.register_buffer("x", torch.zeros(1, 4).expand(3, 4))
+    torch.save({"a": torch.ones(3), "x": torch.randn(3, 4)}, tmp_path / "e.pt")
+    with pytest.raises(ValueError, match=r"'x' is an expanded tensor"):
+        lazyckpt.load_into(model, tmp_path / "e.pt")
+    assert torch.equal(model.a, torch.zeros(3))  # nothing written
+    # Dropped by key_map, the rest loads.
+    opts = lazyckpt.ModelCheckpointLoadOptions(key_map=lambda k: None if k == "x" else k)
+    report = lazyckpt.load_into(model, tmp_path / "e.pt", options=opts, strict=False)
+    assert report.loaded == ["a"] and torch.equal(model.a, torch.ones(3))
+
+
 def test_tied_weights_and_key_map(tmp_path: Path) -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
