@@ -529,7 +529,9 @@ class Reader:
         itemsize = dtype.itemsize
         strides = dst.stride()
         if any(st == 0 and n > 1 for st, n in zip(strides, piece.sizes)):
-            return None  # elements share memory (an expanded tensor): copy_ says what is wrong
+            # Elements share memory (an expanded tensor): reads would write one place over
+            # and over. load_into refuses such a target by key first (model_load).
+            return None
         run_bytes, offsets = _run_offsets(piece.sizes, region.strides, strides, itemsize)
         if offsets is None:
             return None
