@@ -390,7 +390,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     per_file = dict(s.read)
     for f, n in s.verified.items():
         per_file[f] = per_file.get(f, 0) + n
-    unread = [f for f in index.files if f not in per_file]
+    data_files = [f for f in index.files if f not in index.metadata_files]
+    unread = [f for f in data_files if f not in per_file]
     total_read = sum(per_file.values())
     if args.json:
         doc = {
@@ -429,7 +430,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"plan for {layout} of {index.path} ({index.format}, {index.source_layout})")
     n_split = len(choice.concrete(list(index.entries)))
     print(f"shard dims: {choice.source} ({n_split} of {len(index)} keys split)")
-    print(f"reads {len(per_file)} of {len(index.files)} file(s):")
+    print(f"reads {len(per_file)} of {len(data_files)} data file(s):")
     root = _root(index)
     rows = [
         [f"  {f.relative_to(root) if f.is_relative_to(root) else f}", human(n)]

@@ -163,6 +163,9 @@ class CheckpointIndex:
     """Keys in checkpoint order."""
     files: list[Path]
     """Every file the checkpoint consists of, in a stable order."""
+    metadata_files: list[Path] = field(default_factory=list)
+    """Those of :attr:`files` that hold no tensor data (DCP's ``.metadata``): read whole while
+    indexing, never by a load, so ``plan`` does not count them among the files left unread."""
     source_layout: str = ""
     """Human description of how the source is split (``MP-8``, ``3 files``, ...)."""
     notes: list[str] = field(default_factory=list)

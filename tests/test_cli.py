@@ -226,10 +226,28 @@ def test_plan_text(capsys: pytest.CaptureFixture[str], mp4) -> None:
     folder, _, _ = mp4
     rc, out, err = run(capsys, "plan", folder, "--tp", "2", "--tp-rank", "1")
     assert rc == 0, err
-    assert "reads 2 of 4 file(s)" in out
+    assert "reads 2 of 4 data file(s)" in out
     assert "consolidated.02.pth" in out and "consolidated.03.pth" in out
     assert "consolidated.00.pth" not in out
     assert "peak memory" in out
+
+
+def test_plan_of_a_dcp_folder_counts_only_data_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """DCP's ``.metadata`` is read while indexing, never by a load: not a data file left
+    unread."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    dcp.save(sample_state_dict(), checkpoint_id=folder, no_dist=True)
+    data = sorted(str(f) for f in folder.glob("*.distcp"))
+    doc = run_json(capsys, "plan", folder, "--tp", "2")
+    assert sorted(f["path"] for f in doc["files"]) == data
+    assert doc["files_not_read"] == []
+    rc, out, err = run(capsys, "plan", folder, "--tp", "2")
+    assert rc == 0, err
+    assert f"reads {len(data)} of {len(data)} data file(s)" in out
 
 
 # -- verify ----------------------------------------------------------------------------------

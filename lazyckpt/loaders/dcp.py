@@ -278,6 +278,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             format=self.name,
             entries=entries,
             files=[meta_path, *(p for p, _ in files.values())],
+            metadata_files=[meta_path],
             source_layout=f"{len(files)} .distcp file(s), "
             f"{sum(len(e.chunks) for e in entries.values())} chunks",
             notes=notes,
