@@ -338,7 +338,7 @@ def load_into(
             f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
             f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
             f"{' ...' if len(report.unexpected) > 20 else ''}; pass strict=False to load the "
-            "common keys, or options.key_map to rename",
+            f"common keys, or options.key_map to rename{_prefix_hint(report)}",
             report,
         )
     box_cache: dict[tuple[Any, ...], Box] = {}
@@ -373,6 +373,43 @@ def load_into(
     _install_materialized(targets, destinations)
     report.loaded = [key for key in index.entries if key not in shadowed]
     return report
+
+
+def _prefix_hint(report: LoadReport) -> str:
+    """The ``key_map`` that mends the usual cause of a mismatch, a prefix one side's keys carry
+    and the other's lack: a DCP save of ``{"model": model.state_dict(), "optim": ...}`` (keys
+    ``model.*``), a ``DistributedDataParallel`` (``module.*``) or ``torch.compile``
+    (``_orig_mod.*``) model. Said only where the prefix accounts for at least half the missing
+    keys; else empty."""
+    missing, unexpected = set(report.missing), set(report.unexpected)
+    if not missing or not unexpected:
+        return ""
+
+    def best(have: set[str], want: set[str]) -> tuple[str, int]:
+        """The prefix that, cut off the most keys of ``have``, gives keys of ``want``."""
+        counts: dict[str, int] = {}
+        for key in have:
+            at = key.find(".")
+            while at != -1:
+                if key[at + 1 :] in want:
+                    counts[key[: at + 1]] = counts.get(key[: at + 1], 0) + 1
+                at = key.find(".", at + 1)
+        return max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+
+    strip, stripped = best(unexpected, missing)
+    add, added = best(missing, unexpected)
+    if max(stripped, added) * 2 < len(missing):
+        return ""
+    if stripped >= added:
+        return (
+            f"; {stripped} checkpoint key(s) are the model's under the prefix {strip!r}: "
+            f"key_map=lambda k: k.removeprefix({strip!r}) if k.startswith({strip!r}) else None "
+            "loads them (and drops the checkpoint's other keys)"
+        )
+    return (
+        f"; {added} model key(s) are the checkpoint's under the prefix {add!r}: "
+        f"key_map=lambda k: {add!r} + k loads them"
+    )
 
 
 def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list[str]:

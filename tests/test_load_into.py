@@ -126,6 +126,67 @@ def test_strict_reports_missing_and_unexpected_before_reading(tmp_path: Path) ->
     assert stats.total_bytes_read == sum(v.nbytes for k, v in partial.items() if k != "extra.weight")
 
 
+def _suggested_key_map(message: str):
+    """The ``key_map`` a KeyMismatchError suggests, evaluated as written in the message."""
+    import re
+
+    found = re.search(r"key_map=(lambda k: .+?) loads them", message)
+    assert found, message
+    return eval(found.group(1))  # the message's own code, checked by loading with it
+
+
+def test_a_prefixed_dcp_save_gets_the_key_map_that_loads_it(tmp_path: Path) -> None:
+    """DCP saved as ``{"model": ..., "optim": ...}`` names every weight ``model.*``: the error
+    says which key_map loads it, and that key_map does."""
+    import torch.distributed.checkpoint as dcp
+
+    truth = odd_model_truth()
+    optim = {"state": {"0": {"exp_avg": torch.ones(3)}}}
+    dcp.save({"model": truth, "optim": optim}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"under the prefix 'model\.'") as info:
+        lazyckpt.load_into(OddModel(), tmp_path / "dcp")
+    key_map = _suggested_key_map(str(info.value))
+    model = OddModel()
+    report = lazyckpt.load_into(
+        model, tmp_path / "dcp", options=lazyckpt.ModelCheckpointLoadOptions(key_map=key_map)
+    )
+    assert not report.missing and not report.unexpected
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+
+
+class _Wrapped(nn.Module):
+    """A model held as ``module``, as DistributedDataParallel holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = OddModel()
+
+
+def test_a_wrapped_model_gets_the_key_map_that_loads_into_it(tmp_path: Path) -> None:
+    truth = odd_model_truth()
+    torch.save(truth, tmp_path / "full.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"under the prefix 'module\.'") as info:
+        lazyckpt.load_into(_Wrapped(), tmp_path / "full.pt")
+    key_map = _suggested_key_map(str(info.value))
+    model = _Wrapped()
+    lazyckpt.load_into(
+        model, tmp_path / "full.pt", options=lazyckpt.ModelCheckpointLoadOptions(key_map=key_map)
+    )
+    for key, value in model.module.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+
+
+def test_no_prefix_hint_where_the_keys_simply_differ(tmp_path: Path) -> None:
+    truth = odd_model_truth()
+    partial = {k: v for k, v in truth.items() if k != "down.bias"}
+    partial["extra.weight"] = torch.ones(2)
+    torch.save(partial, tmp_path / "partial.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError) as info:
+        lazyckpt.load_into(OddModel(), tmp_path / "partial.pt")
+    assert "under the prefix" not in str(info.value)
+
+
 def test_shape_mismatch_always_raises(tmp_path: Path) -> None:
     truth = odd_model_truth()
     truth["up.weight"] = torch.zeros(8, 6)
