@@ -7,8 +7,9 @@ stayed until the load ended, so a stream that rescaled every tensor in place gre
 the checkpoint (401 MiB for 20 tensors of 20 MiB, holding one at a time). Each view's window is
 now watched, and when the last tensor on it is freed, its pages that no other live view touches
 are dropped (``MADV_DONTNEED``): a later read of them reads the file again. Pages shared with a
-live view (tied keys, a view of part of another, the pages at the seams between neighbours) are
-kept, so no write a live tensor can see is lost.
+live view (at the seams between neighbours) are kept, so no write a live tensor can see is lost.
+No two views cover the same bytes: a key over bytes a view covered is copied with ``pread``
+instead (``lazyckpt.read._OpenFile.clean``), so a write into one key never shows in another.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def private_pages(
     """The pages that hold a byte of ``[start, stop)`` and none of the ranges ``others``, as
     ``[lo, hi)`` byte ranges in order: what may be dropped when a view of ``[start, stop)``
     goes while views of ``others`` live on. The pages at its ends go too when no live view
-    touches them: kept, they would show a later view of the same bytes (a key saved as a slice
-    of another) what was written into this one, at its ends only."""
+    touches them (pages it shares with a neighbour that went)."""
     if stop <= start:
         return []
     lo, hi = start // page * page, -(-stop // page) * page
@@ -160,7 +160,9 @@ class PrivatePages:
                 ref = weakref.ref(window, self._release)  # cheaper than weakref.finalize
             lo, hi = self._gone_span
             if lo < stop and start < hi:
-                # The new view must not see what a view that went wrote into shared pages.
+                # Views that went over its pages first: their written pages shared with this
+                # view are given back now, not kept while it lives (its own bytes there are
+                # the file's either way: no two views cover the same bytes).
                 self._flush(start, stop)
             self._live[id(ref)] = (start, stop, probe, ref)
             _ACTIVE.add(self)  # reachable while a view lives, though the reader has let go

@@ -211,22 +211,19 @@ def _stream(
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
     ):
-        found: dict[int, tuple[ViewSpot, torch.Tensor | None] | Exception | None] = {}
-        ends: dict[object, int] = {}
-        """Per open file, the end of the furthest view found so far (in bytes)."""
+        found: dict[int, tuple[ViewSpot, torch.Tensor] | Exception | None] = {}
 
         def find_ahead(i: int) -> None:
             """Find the views of keys ``i`` on (see ``Reader.find_view``), within
-            ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES``, and make them. A loop of views, with
-            the check of the views that went for writes before it (``Reader.settle_views``),
-            costs a fresh process 2-3% less of an HF load than making and checking each view
-            between two of the consumer's tensors, whose code and data it pushes out of the
-            CPU's caches (see benchmarks/HISTORY.md); written pages then outlive their view by
-            at most one batch. A view that shares bytes with a key found before it (tied
-            keys) is made at its turn instead: the earlier key may be written into and dropped
-            meanwhile, and the later view must then see the file, not those writes (the pages
-            of views that went are checked for writes before a view is made over them, see
-            ``lazyckpt.cow``). An error is raised at its key's turn."""
+            ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES`` of the files' bytes they span (a strided
+            view written in place makes private copies of its span's pages, not only its
+            box's), and make them. A loop of views, with the check of the views that went for
+            writes before it (``Reader.settle_views``), costs a fresh process 2-3% less of an
+            HF load than making and checking each view between two of the consumer's tensors,
+            whose code and data it pushes out of the CPU's caches (see benchmarks/HISTORY.md);
+            written pages then outlive their view by at most one batch. A key over bytes that
+            a view covered (tied keys) is no view: it is copied at its turn, with ``pread``
+            (see ``lazyckpt.read._OpenFile.clean``). An error is raised at its key's turn."""
             reader.settle_views()
             nbytes = 0
             for j in range(i, min(len(plans), i + _AHEAD_KEYS)):
@@ -237,17 +234,16 @@ def _stream(
                 chunk = entry.copies[plan.copy][piece.chunk]
                 try:
                     spot = reader.find_view(chunk, entry.dtype, piece, entry.checkpoint_key)
-                    if spot is None:
-                        found[j] = None
-                    else:
-                        end = ends.get(spot.file, 0)
-                        ends[spot.file] = max(end, spot.stop)
-                        early = spot.first >= end
-                        found[j] = spot, reader.view_at(spot, count=False) if early else None
+                    view = None if spot is None else reader.view_at(spot, count=False)
                 except Exception as exc:
                     found[j] = exc
                     return
-                nbytes += sizes[j]
+                if spot is None or view is None:
+                    found[j] = None
+                    nbytes += sizes[j]
+                else:
+                    found[j] = spot, view
+                    nbytes += max(sizes[j], spot.stop - spot.first)
                 if nbytes >= _AHEAD_BYTES:
                     return
 
@@ -260,8 +256,6 @@ def _stream(
                     raise got
                 if got is not None:
                     spot, view = got
-                    if view is None:  # shares bytes with a key before it: made now
-                        return i, reader.view_at(spot), True
                     reader.hand_out(spot)  # counted as read when handed out
                     return i, view, True
             tensor, is_view = build_tensor(

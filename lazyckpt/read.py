@@ -22,6 +22,7 @@ Files are opened on first use, so a file that holds no byte of the target is nev
 from __future__ import annotations
 
 import _thread
+import bisect
 import collections
 import ctypes
 import functools
@@ -92,6 +93,11 @@ class _OpenFile:
         """The views of the mapping still alive (see :mod:`lazyckpt.cow`)."""
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         """Flat tensors over the whole mapping, by dtype (see ``Reader._flat``)."""
+        self._viewed_lo: list[int] = []
+        self._viewed_hi: list[int] = []
+        """Sorted, disjoint byte ranges ``[lo, hi)`` of the mapping handed out as views (see
+        :meth:`clean`)."""
+        self._viewed_lock = threading.Lock()
 
     def mapping(self) -> ctypes.Array[ctypes.c_char]:
         """The whole file mapped copy-on-write (``MAP_PRIVATE``: views are writable, writes
@@ -118,6 +124,44 @@ class _OpenFile:
         assert self.pages is not None
         self.pages.watch(view, start, stop, probe)
         return view
+
+    def clean(self, start: int, stop: int) -> bool:
+        """Whether bytes ``[start, stop)`` of the mapping are sure to hold the file's: no view
+        handed out covered any of them. A view is copy-on-write and its consumer may write
+        into it, or have written into it and dropped it while a live neighbour keeps the
+        written pages: a key over bytes a view covered (a tied key, a key saved as a slice of
+        another) is read with ``pread`` instead, and is never a second view of them, which a
+        write into either would change."""
+        with self._viewed_lock:
+            return self._clean(start, stop)
+
+    def _clean(self, start: int, stop: int) -> bool:
+        hi = self._viewed_hi
+        if not hi or start >= hi[-1]:  # views are mostly made in file order
+            return True
+        j = bisect.bisect_right(hi, start)
+        return j == len(hi) or self._viewed_lo[j] >= stop
+
+    def claim(self, start: int, stop: int) -> bool:
+        """Record bytes ``[start, stop)`` as handed out as a view, if they are :meth:`clean`
+        (else False, recording nothing): checked and recorded at once, as the prefetch worker
+        and the caller make views at the same time."""
+        with self._viewed_lock:
+            if not self._clean(start, stop):
+                return False
+            lo, hi = self._viewed_lo, self._viewed_hi
+            j = bisect.bisect_right(hi, start)
+            if j and hi[j - 1] == start:  # extends the range before it
+                hi[j - 1] = stop
+                if j < len(lo) and lo[j] == stop:  # and closes the gap to the next
+                    hi[j - 1] = hi.pop(j)
+                    del lo[j]
+            elif j < len(lo) and lo[j] == stop:
+                lo[j] = start
+            else:
+                lo.insert(j, start)
+                hi.insert(j, stop)
+            return True
 
     def check_range(self, start: int, stop: int, key: str) -> None:
         # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
@@ -221,10 +265,6 @@ class Reader:
                     self._files[path] = f
         return f
 
-    def _mapping(self, f: _OpenFile) -> ctypes.Array[ctypes.c_char]:
-        with self._lock:
-            return f.mapping()
-
     def _bounce(self, nbytes: int) -> torch.Tensor:
         """A byte buffer of at least ``nbytes`` for slab reads, one per thread, kept for the
         load: a fresh buffer per slab would be zeroed by the kernel each time, and glibc keeps
@@ -319,16 +359,21 @@ class Reader:
         itemsize = dtype.itemsize
         if first % itemsize:
             return None  # not at an address torch may read as dtype (see copy)
+        if not f.clean(first, first + count * itemsize):
+            return None  # a view covered some of its bytes: copied with pread (see clean)
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, sizes, strides, itemsize)
         readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
         return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
 
-    def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor:
-        """The view :meth:`find_view` found. ``count=False``: its bytes are not counted as read
-        here but by :meth:`hand_out`, when the view is handed out (a stream makes views
-        ahead, and one it never hands out was never read)."""
+    def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
+        """The view :meth:`find_view` found, or None where a view made since covers some of
+        its bytes (the caller copies: see :meth:`_OpenFile.clean`). ``count=False``: its bytes
+        are not counted as read here but by :meth:`hand_out`, when the view is handed out (a
+        stream makes views ahead, and one it never hands out was never read)."""
         f, dtype = spot.file, spot.dtype
+        if not f.claim(spot.first, spot.stop):
+            return None
         if count:
             self._count(f, spot.nbytes)
         if f.pages is None:  # not watched yet: once, whichever thread asks first
@@ -389,7 +434,10 @@ class Reader:
         ordered = [files[i] for i in order]
 
         def read(run: int, offset: int, length: int) -> bytes:
-            return _bytes(self._mapping(ordered[run]), offset, length)
+            # From the file, not the mapping: a view handed out may have been written there.
+            buf = bytearray(length)
+            _pread_into(ordered[run], offset, memoryview(buf), key)
+            return bytes(buf)
 
         built = stitch.build(plan, [f.fd for f in ordered], read)
         if built is None:
@@ -454,16 +502,17 @@ class Reader:
             return
         region = self._region(chunk)
         if self.use_mmap:
-            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
-            if first % itemsize:
-                self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
-            else:
-                flat = self._flat(f, dtype)
-                dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
-            self._count(f, piece.numel * itemsize)
-        else:
-            self._pread(region, dtype, piece, dst_view, key)
+            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            if f.clean(first, first + count * itemsize):
+                readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
+                if first % itemsize:
+                    self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
+                else:
+                    flat = self._flat(f, dtype)
+                    dst_view.copy_(flat.as_strided(piece.sizes, region.strides, first // itemsize))
+                self._count(f, piece.numel * itemsize)
+                return
+        self._pread(region, dtype, piece, dst_view, key)
 
     def concat(
         self,
@@ -498,9 +547,11 @@ class Reader:
             if isinstance(chunk.data, torch.Tensor):
                 return False
             region = self._region(chunk)
-            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             if first % itemsize:
                 return False  # not at an address torch may read as dtype (see copy)
+            if not f.clean(first, first + count * itemsize):
+                return False  # copied piece by piece, with pread (see _OpenFile.clean)
             sources.append((f, first, piece, region))
         parts = []
         for f, first, piece, region in sources:
@@ -809,11 +860,6 @@ def _sub(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch
     for o, st in zip(offsets, strides):
         start += o * st
     return t.as_strided(tuple(sizes), strides, start)
-
-
-def _bytes(mapping: ctypes.Array[ctypes.c_char], start: int, nbytes: int) -> bytes:
-    """A copy of bytes ``[start, start + nbytes)`` of a mapping."""
-    return mapping[start : start + nbytes]  # type: ignore[return-value]  # bytes for c_char
 
 
 _from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
