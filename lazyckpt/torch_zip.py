@@ -424,6 +424,22 @@ class TorchArchive:
             raise CorruptModelCheckpointError(self.path, self.forbidden_message())
         return flat
 
+    def left_out(self) -> str | None:
+        """A note naming the entries beside the one the weights were taken from (see
+        :func:`flatten_state_dict`: optimizer state, counters), which no load yields; None
+        where the file holds the weights alone."""
+        if not isinstance(self.obj, Mapping):
+            return None
+        _, wrapper = _unwrap(self.obj)
+        others = [repr(k) for k in self.obj if k != wrapper]
+        if wrapper is None or not others:
+            return None
+        more = f" and {len(others) - 8} more" if len(others) > 8 else ""
+        return (
+            f"{self.path.name}: weights taken from its {wrapper!r} entry; left out beside it: "
+            f"{', '.join(others[:8])}{more}"
+        )
+
     def region(self, tensor: StoredTensor, key: str) -> FileRegion:
         """The file region of ``tensor`` (held by ``key``), after checking it lies inside its
         storage record."""
@@ -709,20 +725,32 @@ def flatten_state_dict(
     """
     if isinstance(obj, Unsupported):
         raise CorruptModelCheckpointError(path, f"the file holds {obj.what}; {obj.hint}")
+    if isinstance(obj, StoredTensor):
+        raise CorruptModelCheckpointError(
+            path,
+            f"the file holds one tensor of shape {tuple(obj.sizes)}, not a state dict of "
+            "named tensors; save a dict ({'name': tensor}) instead",
+        )
     if not isinstance(obj, Mapping):
         raise CorruptModelCheckpointError(
             path,
             f"the file holds a {type(obj).__name__}, not a state dict; save "
             "model.state_dict() instead of the model",
         )
-    for wrapper in ("model", "state_dict"):
-        inner = obj.get(wrapper)
-        if isinstance(inner, Mapping):
-            obj = inner
-            break
+    obj, _ = _unwrap(obj)
     out: dict[str, StoredTensor] = {}
     _flatten(obj, "", out, path, keep)
     return out
+
+
+def _unwrap(obj: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], str | None]:
+    """The weights of a training checkpoint: its ``"model"`` or ``"state_dict"`` entry where
+    that is a dict (and the entry's name), else ``obj`` itself (and None)."""
+    for wrapper in ("model", "state_dict"):
+        inner = obj.get(wrapper)
+        if isinstance(inner, Mapping):
+            return inner, wrapper
+    return obj, None
 
 
 def _flatten(

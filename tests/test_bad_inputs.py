@@ -482,6 +482,13 @@ def test_empty_folder(tmp_path: Path) -> None:
     fails(folder, CORRUPT, ("empty_ckpt",), eager=True)
 
 
+def test_a_file_of_one_bare_tensor_says_so(tmp_path: Path) -> None:
+    # Not "holds a StoredTensor" (lazyckpt's own placeholder) nor "save the state dict instead
+    # of the model": the file holds a tensor, and needs names.
+    torch.save(torch.randn(3, 2), tmp_path / "bare.pt")
+    fails(tmp_path / "bare.pt", CORRUPT, ("bare.pt", "one tensor of shape (3, 2)"), eager=True)
+
+
 def test_message_names_the_path_even_where_its_name_is_a_word_of_the_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

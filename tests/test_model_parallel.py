@@ -221,6 +221,43 @@ def test_fairseq2_native_into_every_layout(tmp_path: Path) -> None:
             assert same_bits(got[key], expected(t, dims.get(key), layout)), (key, layout)
     index = lazyckpt.loaders.detect_loader(tmp_path).index(tmp_path, dims)
     assert index.format == "fairseq2" and index.source_layout == "PP-2 x TP-2 x SDP-3"
+    # Each stage's files hold {"model": ..., "fs2": True}: what no load yields is noted.
+    assert index.notes == [
+        f"pp_{s:02d}/tp_00/sdp_00.pt: weights taken from its 'model' entry; left out beside "
+        "it: 'fs2'"
+        for s in range(2)
+    ]
+
+
+def test_entries_beside_the_weights_are_noted(tmp_path: Path) -> None:
+    # A training checkpoint's weights are its "model" entry; the rest (optimizer state, counters,
+    # tensors among them) is left out, and the index says so instead of dropping it silently.
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(8, 4, generator=g), "n": torch.randn(4, generator=g)}
+    extra = {"optimizer": {"exp_avg": torch.ones(3)}, "bias": torch.zeros(2), "step": 7}
+    torch.save({"model": full, **extra}, tmp_path / "ckpt.pt")
+    index = lazyckpt.loaders.detect_loader(tmp_path / "ckpt.pt").index(tmp_path / "ckpt.pt")
+    assert list(index.entries) == ["w", "n"]
+    assert index.notes == [
+        "ckpt.pt: weights taken from its 'model' entry; left out beside it: 'optimizer', "
+        "'bias', 'step'"
+    ]
+    # A model-parallel set says it once where every rank file holds the same beside its shard.
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    for r, part in enumerate(torch.chunk(full["w"], 2, 0)):
+        torch.save({"model": {"w": part.clone(), "n": full["n"]}, **extra},
+                   mp / f"consolidated.{r:02d}.pth")
+    index = lazyckpt.loaders.detect_loader(mp).index(mp, {"w": 0})
+    assert index.notes == [
+        "every rank file: weights taken from its 'model' entry; left out beside it: "
+        "'optimizer', 'bias', 'step'"
+    ]
+    got = load_all(mp, {"w": 0})
+    assert same_bits(got["w"], full["w"]) and same_bits(got["n"], full["n"])
+    # Weights alone: nothing to note.
+    torch.save(full, tmp_path / "plain.pt")
+    assert lazyckpt.loaders.detect_loader(tmp_path / "plain.pt").index(tmp_path / "plain.pt").notes == []
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             entries=entries,
             files=files,
             source_layout=f"MP-{len(files)}",
+            notes=_left_out([archive for _, archive, _ in ranks]),
             metadata=_Params(path),
         )
 
@@ -171,6 +172,17 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             except ValueError as exc:
                 raise ValueError(f"key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+
+
+def _left_out(archives: list[TorchArchive]) -> list[str]:
+    """What the rank files hold beside their weights (see ``TorchArchive.left_out``): noted
+    once where every file says the same."""
+    notes = [note for a in archives if (note := a.left_out()) is not None]
+    if len(notes) == len(archives) > 1 and all(
+        note.split(": ", 1)[1] == notes[0].split(": ", 1)[1] for note in notes
+    ):
+        return [f"every rank file{notes[0][len(archives[0].path.name) :]}"]
+    return notes
 
 
 def _alike(ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]) -> bool:

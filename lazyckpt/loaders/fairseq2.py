@@ -88,6 +88,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         entries: dict[str, TensorEntry] = {}
         owner: dict[str, Path] = {}
         files: list[Path] = []
+        notes: list[str] = []
         tp_size = sdp_size = 0
         for stage in stages:
             tp_dirs = _numbered(stage, _TP, True)
@@ -98,6 +99,11 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             read = iter(read_torch_set(stage_files, restrict=options.restrict, keep=rules.wants))
             grid = [[next(read) for _ in row] for row in grid_files]
             files += stage_files
+            note = grid[0][0][0].left_out()  # shards of a stage are saved alike
+            if note is not None:
+                notes.append(
+                    f"{stage_files[0].relative_to(path)}{note[len(stage_files[0].name) :]}"
+                )
             first_file, (_, first) = grid_files[0][0], grid[0][0]
             for row_files, row in zip(grid_files, grid):
                 for f, (_, flat) in zip(row_files, row):
@@ -146,6 +152,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             entries=entries,
             files=files,
             source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
+            notes=notes,
         )
 
 

@@ -35,15 +35,24 @@ weights, so a folder is never read as a torch checkpoint because of them."""
 
 
 def read_torch_file(
-    path: Path, *, restrict: bool = True, keep: Callable[[str], bool] | None = None
+    path: Path,
+    *,
+    restrict: bool = True,
+    keep: Callable[[str], bool] | None = None,
+    notes: list[str] | None = None,
 ) -> list[FileTensor]:
     """The tensors of one torch file, in pickle order, located but not read (``keep``: see
-    :func:`lazyckpt.torch_zip.flatten_state_dict`)."""
+    :func:`lazyckpt.torch_zip.flatten_state_dict`); what was left out beside the weights is
+    noted in ``notes``."""
     archive = read_torch_archive(path, restrict=restrict)
-    return [
+    tensors = [
         FileTensor(key, t.dtype, t.sizes, archive.region(t, key))
         for key, t in archive.state_dict(keep).items()
     ]
+    note = archive.left_out()
+    if note is not None and notes is not None:
+        notes.append(note)
+    return tensors
 
 
 def _has_zip_magic(path: Path) -> bool:
@@ -74,10 +83,14 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
-        def read(p: Path) -> list[FileTensor]:
-            return read_torch_file(p, restrict=options.restrict, keep=rules.wants)
+        notes: list[str] = []
 
-        return build_file_set_index(self.file_set(path), self.name, read, rules)
+        def read(p: Path) -> list[FileTensor]:
+            return read_torch_file(p, restrict=options.restrict, keep=rules.wants, notes=notes)
+
+        index = build_file_set_index(self.file_set(path), self.name, read, rules)
+        index.notes += notes
+        return index
 
     @staticmethod
     def file_set(path: Path) -> FileSet:
