@@ -431,8 +431,10 @@ class TorchArchive:
         if not isinstance(self.obj, Mapping):
             return None
         _, wrapper = _unwrap(self.obj)
+        if wrapper is None:
+            return None
         others = [repr(k) for k in self.obj if k != wrapper]
-        if wrapper is None or not others:
+        if not others:
             return None
         more = f" and {len(others) - 8} more" if len(others) > 8 else ""
         return (
