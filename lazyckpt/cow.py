@@ -9,7 +9,7 @@ now watched, and when the last tensor on it is freed, its pages that no other li
 are dropped (``MADV_DONTNEED``): a later read of them reads the file again. Pages shared with a
 live view (at the seams between neighbours) are kept, so no write a live tensor can see is lost.
 No two views cover the same bytes: a key over bytes a view covered is copied with ``pread``
-instead (``lazyckpt.read._OpenFile.clean``), so a write into one key never shows in another.
+instead (:mod:`lazyckpt.claims`), so a write into one key never shows in another.
 """
 
 from __future__ import annotations

@@ -207,7 +207,9 @@ def _stream(
     # bound as the prefetcher's memory: the largest tensor plus the budget.
     largest = max(sizes, default=0)
     with (
-        Reader(use_mmap=options.mmap, stats=stats, defer=cow.STREAM_DEFER) as reader,
+        Reader(
+            use_mmap=options.mmap, stats=stats, defer=cow.STREAM_DEFER, consumer_views=True
+        ) as reader,
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,
     ):
@@ -223,7 +225,7 @@ def _stream(
             whose code and data it pushes out of the CPU's caches (see benchmarks/HISTORY.md);
             written pages then outlive their view by at most one batch. A key over bytes that
             a view covered (tied keys) is no view: it is copied at its turn, with ``pread``
-            (see ``lazyckpt.read._OpenFile.clean``). An error is raised at its key's turn."""
+            (see ``lazyckpt.claims``). An error is raised at its key's turn."""
             reader.settle_views()
             nbytes = 0
             for j in range(i, min(len(plans), i + _AHEAD_KEYS)):

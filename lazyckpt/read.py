@@ -22,8 +22,8 @@ Files are opened on first use, so a file that holds no byte of the target is nev
 from __future__ import annotations
 
 import _thread
-import bisect
 import collections
+import contextlib
 import ctypes
 import functools
 import math
@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from lazyckpt import alloc, cow, readahead, stitch, unmap
+from lazyckpt.claims import Claims, Footprint, footprint
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
 from lazyckpt.plan import (
@@ -75,7 +76,7 @@ _RAW_BYTES = 1 << 20
 class _OpenFile:
     """A file opened for one load: its descriptor, size and (lazily) its mapping."""
 
-    def __init__(self, path: Path, defer: int = 0) -> None:
+    def __init__(self, path: Path, defer: int = 0, claims: bool = False) -> None:
         self.path = path
         self.name = str(path)
         """The path as :class:`LoadStats` counts it."""
@@ -93,11 +94,9 @@ class _OpenFile:
         """The views of the mapping still alive (see :mod:`lazyckpt.cow`)."""
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         """Flat tensors over the whole mapping, by dtype (see ``Reader._flat``)."""
-        self._viewed_lo: list[int] = []
-        self._viewed_hi: list[int] = []
-        """Sorted, disjoint byte ranges ``[lo, hi)`` of the mapping handed out as views (see
-        :meth:`clean`)."""
-        self._viewed_lock = threading.Lock()
+        self.claims: Claims | None = Claims() if claims else None
+        """The views made of the mapping and the copies from it under way, where views go to a
+        consumer who may write into them (see :mod:`lazyckpt.claims`)."""
 
     def mapping(self) -> ctypes.Array[ctypes.c_char]:
         """The whole file mapped copy-on-write (``MAP_PRIVATE``: views are writable, writes
@@ -125,43 +124,19 @@ class _OpenFile:
         self.pages.watch(view, start, stop, probe)
         return view
 
-    def clean(self, start: int, stop: int) -> bool:
-        """Whether bytes ``[start, stop)`` of the mapping are sure to hold the file's: no view
-        handed out covered any of them. A view is copy-on-write and its consumer may write
-        into it, or have written into it and dropped it while a live neighbour keeps the
-        written pages: a key over bytes a view covered (a tied key, a key saved as a slice of
-        another) is read with ``pread`` instead, and is never a second view of them, which a
-        write into either would change."""
-        with self._viewed_lock:
-            return self._clean(start, stop)
+    def clean(self, fp: Footprint) -> bool:
+        """Whether the mapping holds the file's bytes at ``fp``: no view made covers one."""
+        return self.claims is None or self.claims.clean(fp)
 
-    def _clean(self, start: int, stop: int) -> bool:
-        hi = self._viewed_hi
-        if not hi or start >= hi[-1]:  # views are mostly made in file order
-            return True
-        j = bisect.bisect_right(hi, start)
-        return j == len(hi) or self._viewed_lo[j] >= stop
+    def claim(self, fp: Footprint) -> bool:
+        """Record a view over ``fp``; False where it may not be made (see :mod:`lazyckpt.claims`)."""
+        return self.claims is None or self.claims.claim(fp)
 
-    def claim(self, start: int, stop: int) -> bool:
-        """Record bytes ``[start, stop)`` as handed out as a view, if they are :meth:`clean`
-        (else False, recording nothing): checked and recorded at once, as the prefetch worker
-        and the caller make views at the same time."""
-        with self._viewed_lock:
-            if not self._clean(start, stop):
-                return False
-            lo, hi = self._viewed_lo, self._viewed_hi
-            j = bisect.bisect_right(hi, start)
-            if j and hi[j - 1] == start:  # extends the range before it
-                hi[j - 1] = stop
-                if j < len(lo) and lo[j] == stop:  # and closes the gap to the next
-                    hi[j - 1] = hi.pop(j)
-                    del lo[j]
-            elif j < len(lo) and lo[j] == stop:
-                lo[j] = start
-            else:
-                lo.insert(j, start)
-                hi.insert(j, stop)
-            return True
+    def copying(self, fp: Footprint) -> contextlib.AbstractContextManager[bool]:
+        """Whether ``fp`` may be copied from the mapping; no view is made over it meanwhile."""
+        if self.claims is None:
+            return contextlib.nullcontext(True)
+        return self.claims.copying([fp])
 
     def check_range(self, start: int, stop: int, key: str) -> None:
         # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
@@ -195,6 +170,8 @@ class ViewSpot(NamedTuple):
     dtype: torch.dtype
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
+    fp: Footprint
+    """The bytes it holds."""
 
     @property
     def stop(self) -> int:
@@ -215,10 +192,19 @@ class Reader:
     """
 
     def __init__(
-        self, *, use_mmap: bool = True, stats: LoadStats | None = None, defer: int = 0
+        self,
+        *,
+        use_mmap: bool = True,
+        stats: LoadStats | None = None,
+        defer: int = 0,
+        consumer_views: bool = False,
     ) -> None:
         self.use_mmap = use_mmap
         self.stats = stats
+        self.consumer_views = consumer_views
+        """Views go to a consumer who may write into them (a stream): no two views cover one
+        byte, and bytes a view covered are read with ``pread`` (see :mod:`lazyckpt.claims`).
+        Else views are only read (replica checks) and nothing is kept."""
         self.defer = defer
         """Bytes of views that went to gather before they are checked for writes, while the
         reader is open (see :class:`lazyckpt.cow.PrivatePages`): a stream's views."""
@@ -254,7 +240,7 @@ class Reader:
                 f = self._files.get(path)
                 if f is None:
                     try:
-                        f = _OpenFile(path, self.defer)
+                        f = _OpenFile(path, self.defer, self.consumer_views)
                     except FileNotFoundError as exc:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"
@@ -359,20 +345,22 @@ class Reader:
         itemsize = dtype.itemsize
         if first % itemsize:
             return None  # not at an address torch may read as dtype (see copy)
-        if not f.clean(first, first + count * itemsize):
-            return None  # a view covered some of its bytes: copied with pread (see clean)
+        fp = footprint(first, sizes, strides, itemsize)
+        if not f.clean(fp):
+            return None  # a view covered some of its bytes: copied with pread (lazyckpt.claims)
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, sizes, strides, itemsize)
         readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
-        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
+        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides, fp)
 
     def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
         """The view :meth:`find_view` found, or None where a view made since covers some of
-        its bytes (the caller copies: see :meth:`_OpenFile.clean`). ``count=False``: its bytes
+        its bytes, or a copy under way reads them (the caller copies: see
+        :mod:`lazyckpt.claims`). ``count=False``: its bytes
         are not counted as read here but by :meth:`hand_out`, when the view is handed out (a
         stream makes views ahead, and one it never hands out was never read)."""
         f, dtype = spot.file, spot.dtype
-        if not f.claim(spot.first, spot.stop):
+        if not f.claim(spot.fp):
             return None
         if count:
             self._count(f, spot.nbytes)
@@ -502,8 +490,12 @@ class Reader:
             return
         region = self._region(chunk)
         if self.use_mmap:
-            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            if f.clean(first, first + count * itemsize):
+            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            fp = footprint(first, piece.sizes, region.strides, itemsize)
+            with f.copying(fp) as clean:
+                if not clean:  # a view covered some of its bytes: read from the file
+                    self._pread(region, dtype, piece, dst_view, key)
+                    return
                 readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
                 if first % itemsize:
                     self._copy_unaligned(f, first, dtype, piece.sizes, region.strides, dst_view)
@@ -547,18 +539,21 @@ class Reader:
             if isinstance(chunk.data, torch.Tensor):
                 return False
             region = self._region(chunk)
-            f, first, count = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
+            f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             if first % itemsize:
                 return False  # not at an address torch may read as dtype (see copy)
-            if not f.clean(first, first + count * itemsize):
-                return False  # copied piece by piece, with pread (see _OpenFile.clean)
             sources.append((f, first, piece, region))
-        parts = []
-        for f, first, piece, region in sources:
-            readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
-            flat = self._flat(f, dtype)
-            parts.append(flat.as_strided(piece.sizes, region.strides, first // itemsize))
-        torch.cat(parts, dim=dim, out=dst)
+        with contextlib.ExitStack() as copying:
+            for f, first, piece, region in sources:
+                fp = footprint(first, piece.sizes, region.strides, itemsize)
+                if not copying.enter_context(f.copying(fp)):
+                    return False  # a view covered some of its bytes: copied piece by piece
+            parts = []
+            for f, first, piece, region in sources:
+                readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
+                flat = self._flat(f, dtype)
+                parts.append(flat.as_strided(piece.sizes, region.strides, first // itemsize))
+            torch.cat(parts, dim=dim, out=dst)
         for f, _, piece, _ in sources:
             self._count(f, piece.numel * itemsize)
         return True

@@ -1,0 +1,159 @@
+"""Which bytes of a mapped file a load has handed out as views, and which it is copying now.
+
+A view that ``lazy_load`` yields is a window of the file's copy-on-write mapping, and its consumer
+may write into it (or have written into it and dropped it while a live neighbour keeps the written
+pages): from then on those bytes of the mapping are not the file's. So a key over bytes a view
+covered (tied weights in a ``torch.save`` file, a key saved as a slice of another) must not be a
+second view of them, nor a copy from the mapping, but is read with ``pread``; and a view must not
+be made over bytes that another thread is copying from the mapping at that moment, which the
+consumer could write into before the copy ends. :class:`Claims` keeps both, per file.
+
+Bytes are described by a :class:`Footprint`: a range, or, for a box of a row-major matrix (a
+tensor-parallel dim-1 shard; ``q``, ``k``, ``v`` saved as ``qkv.split(..., dim=1)``), the same
+window of every row. Boxes side by side in the rows of one storage are told apart; anything else
+is taken as its whole span, which can only send a view to ``pread``, never miss an overlap.
+Pure integers: no file is touched here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Claims", "Footprint", "footprint", "overlap"]
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Bytes ``start + k * period + [0, width)`` for every ``k`` that falls inside ``[start,
+    stop)``, or, where ``period`` is 0, every byte of ``[start, stop)``."""
+
+    start: int
+    stop: int
+    period: int = 0
+    width: int = 0
+
+
+def footprint(first: int, sizes: Sequence[int], strides: Sequence[int], itemsize: int) -> Footprint:
+    """The bytes a strided piece holds (first element at byte ``first``; element strides)."""
+    dims = [(n, st) for n, st in zip(sizes, strides) if n != 1]
+    if any(n == 0 for n, _ in dims):
+        return Footprint(first, first)
+    run = 1  # elements of the contiguous block at the innermost dims
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    last = sum((n - 1) * st for n, st in dims)  # the block's offset for the last outer index
+    stop = first + (last + run) * itemsize
+    if not dims:
+        return Footprint(first, stop)
+    # Outer dims that step one after the other in the same period collapse into one.
+    count, step = dims.pop()
+    while dims and dims[-1][1] == step * count:
+        count *= dims.pop()[0]
+    if dims or step < run:  # several periods, or rows that overlap: the whole span
+        return Footprint(first, stop)
+    return Footprint(first, stop, step * itemsize, run * itemsize)
+
+
+def overlap(a: Footprint, b: Footprint) -> bool:
+    """Whether ``a`` and ``b`` may share a byte: exact for ranges and for windows of one
+    period, else whether their spans meet."""
+    if a.stop <= b.start or b.stop <= a.start or a.start == a.stop or b.start == b.stop:
+        return False
+    if not a.period and not b.period:
+        return True
+    if a.period and b.period:
+        if a.period != b.period:
+            return True
+        # Two windows on a circle of one period: disjoint iff each ends before the other starts.
+        d = (b.start - a.start) % a.period
+        return d < a.width or d + b.width > a.period
+    if not a.period:
+        a, b = b, a  # a has the windows, b is a range
+    lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+    if hi - lo >= a.period:
+        return True
+    d = (lo - a.start) % a.period  # where the range starts within a's period
+    return d < a.width or d + (hi - lo) > a.period
+
+
+class Claims:
+    """The footprints of the views made of one file's mapping, and of the copies from it under
+    way. Safe to share between the prefetch worker and the caller: a check and the record it
+    allows are one step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+        """Views that hold every byte of their span: sorted, disjoint ``[lo, hi)`` ranges,
+        merged where they touch (views are mostly made in file order: one range grows)."""
+        self._windows: list[Footprint] = []
+        """Views that hold a window of each row."""
+        self._windows_stop = 0
+        """The furthest byte any of :attr:`_windows` spans."""
+        self._copying: list[Footprint] = []
+        """Copies from the mapping under way."""
+
+    def clean(self, fp: Footprint) -> bool:
+        """Whether no view made covers a byte of ``fp``: the mapping still holds the file's."""
+        with self._lock:
+            return self._clean(fp)
+
+    def _clean(self, fp: Footprint) -> bool:
+        hi = self._hi
+        if hi and fp.start < hi[-1]:  # else every range ends before it
+            j = bisect.bisect_right(hi, fp.start)
+            lo = self._lo
+            while j < len(lo) and lo[j] < fp.stop:
+                if overlap(fp, Footprint(lo[j], hi[j])):
+                    return False
+                j += 1
+        if fp.start < self._windows_stop:
+            return not any(overlap(fp, w) for w in self._windows)
+        return True
+
+    def claim(self, fp: Footprint) -> bool:
+        """Record ``fp`` as a view's, if no view made covers a byte of it and no copy under way
+        reads one; else False, recording nothing (the caller copies with ``pread``)."""
+        with self._lock:
+            if not self._clean(fp) or any(overlap(fp, c) for c in self._copying):
+                return False
+            if fp.start == fp.stop:
+                return True
+            if fp.period:
+                self._windows.append(fp)
+                self._windows_stop = max(self._windows_stop, fp.stop)
+                return True
+            lo, hi = self._lo, self._hi
+            j = bisect.bisect_right(hi, fp.start)
+            if j and hi[j - 1] == fp.start:  # extends the range before it
+                hi[j - 1] = fp.stop
+                if j < len(lo) and lo[j] == fp.stop:  # and closes the gap to the next
+                    hi[j - 1] = hi.pop(j)
+                    del lo[j]
+            elif j < len(lo) and lo[j] == fp.stop:
+                lo[j] = fp.start
+            else:
+                lo.insert(j, fp.start)
+                hi.insert(j, fp.stop)
+            return True
+
+    @contextlib.contextmanager
+    def copying(self, fps: Sequence[Footprint]) -> Iterator[bool]:
+        """Whether ``fps`` may be copied from the mapping (no view made covers a byte of them);
+        while the ``with`` block runs, no view is made over them."""
+        with self._lock:
+            ok = all(self._clean(fp) for fp in fps)
+            if ok:
+                self._copying.extend(fps)
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._lock:
+                    for fp in fps:
+                        self._copying.remove(fp)

@@ -1,0 +1,102 @@
+"""lazyckpt.claims: which bytes of a mapping views hold. Oracle: the set of byte offsets each
+piece holds, enumerated element by element."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lazyckpt.claims import Claims, Footprint, footprint, overlap
+
+
+def _bytes(first: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> set[int]:
+    out: set[int] = set()
+    for index in itertools.product(*(range(n) for n in sizes)):
+        at = first + itemsize * sum(i * s for i, s in zip(index, strides))
+        out.update(range(at, at + itemsize))
+    return out
+
+
+def _holds(fp: Footprint, b: int) -> bool:
+    if not fp.start <= b < fp.stop:
+        return False
+    return not fp.period or (b - fp.start) % fp.period < fp.width
+
+
+@st.composite
+def matrix_boxes(draw: st.DrawFn) -> tuple[int, int, int, list[tuple[int, int, int, int]]]:
+    """A row-major matrix (rows, cols, itemsize) at some byte and boxes of it."""
+    rows, cols = draw(st.integers(1, 6)), draw(st.integers(1, 9))
+    itemsize = draw(st.sampled_from([1, 2, 4]))
+    boxes = []
+    for _ in range(draw(st.integers(1, 6))):
+        r0 = draw(st.integers(0, rows - 1))
+        c0 = draw(st.integers(0, cols - 1))
+        r1 = draw(st.integers(r0 + 1, rows))
+        c1 = draw(st.integers(c0 + 1, cols))
+        boxes.append((r0, r1, c0, c1))
+    return rows, cols, itemsize, boxes
+
+
+def _box(base: int, cols: int, itemsize: int, box: tuple[int, int, int, int]):
+    r0, r1, c0, c1 = box
+    first, sizes, strides = base + (r0 * cols + c0) * itemsize, (r1 - r0, c1 - c0), (cols, 1)
+    return footprint(first, sizes, strides, itemsize), _bytes(first, sizes, strides, itemsize)
+
+
+@given(matrix_boxes(), st.integers(0, 50))
+def test_boxes_of_one_matrix_overlap_exactly_when_they_share_a_byte(drawn, base: int) -> None:
+    # q, k, v saved as qkv.split(n, dim=1), a TP dim-1 shard beside its neighbours: told apart.
+    _, cols, itemsize, boxes = drawn
+    made = [_box(base, cols, itemsize, b) for b in boxes]
+    for (fa, ba), (fb, bb) in itertools.product(made, repeat=2):
+        assert {b for b in range(fa.start - 1, fa.stop + 1) if _holds(fa, b)} == ba
+        assert overlap(fa, fb) == bool(ba & bb), (fa, fb)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 40),
+            st.lists(st.tuples(st.integers(0, 4), st.integers(0, 9)), min_size=0, max_size=3),
+            st.sampled_from([1, 2]),
+        ),
+        min_size=2,
+        max_size=6,
+    )
+)
+def test_any_strided_pieces_that_share_a_byte_overlap(pieces) -> None:
+    # Whatever the strides (several periods, rows that overlap, stride 0), never a miss: a
+    # footprint holds every byte of its piece, and pieces sharing a byte overlap.
+    made = []
+    for first, dims, itemsize in pieces:
+        sizes = tuple(n for n, _ in dims)
+        strides = tuple(s for _, s in dims)
+        fp = footprint(first, sizes, strides, itemsize)
+        held = _bytes(first, sizes, strides, itemsize)
+        assert all(_holds(fp, b) for b in held)
+        made.append((fp, held))
+    for (fa, ba), (fb, bb) in itertools.product(made, repeat=2):
+        if ba & bb:
+            assert overlap(fa, fb)
+
+
+@given(matrix_boxes(), st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_view_is_claimed_only_over_bytes_no_view_or_copy_holds(drawn, copy_first) -> None:
+    _, cols, itemsize, boxes = drawn
+    claims = Claims()
+    held: set[int] = set()
+    for box, copy in zip(boxes, copy_first):
+        fp, mine = _box(3, cols, itemsize, box)
+        free = held.isdisjoint(mine)
+        assert claims.clean(fp) == free
+        if copy:  # a copy under way: no view over its bytes meanwhile, any after it
+            with claims.copying([fp]) as ok:
+                assert ok == free
+                assert not claims.claim(fp) or fp.start == fp.stop
+            continue
+        assert claims.claim(fp) == free
+        if free:
+            held |= mine
