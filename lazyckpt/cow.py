@@ -142,6 +142,8 @@ class PrivatePages:
         """Bytes from the first page of those views to the end of the last (0, 0: none)."""
         self.defer = defer
         """Bytes of views that went to gather before they are checked (0: each at once)."""
+        self.written = False
+        """Whether a view that went was found written into (the consumer writes in place)."""
         # Reentrant: a callback may run (garbage collection) while this thread is inside.
         self._lock = threading.RLock()
 
@@ -253,6 +255,7 @@ class PrivatePages:
         written = [(s, e) for s, e, probe in gone if _written(self.address + probe)]
         if not written:
             return
+        self.written = True
         others = [(s, e) for s, e, _, _ in self._live.values()]
         for s, e in written:
             for lo, hi in private_pages(s, e, others, mmap.PAGESIZE):

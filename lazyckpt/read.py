@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from lazyckpt import alloc, cow, readahead, stitch, unmap
-from lazyckpt.claims import Claims, Footprint, footprint
+from lazyckpt.claims import Claims, footprint
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
 from lazyckpt.plan import (
@@ -69,6 +69,8 @@ _SLAB_BYTES = 8 << 20
 """Largest bounce buffer for slab reads."""
 _ALIGN = 64
 """Bounce buffers are a multiple of this many bytes: a whole number of any dtype's elements."""
+_COPY_ANY = contextlib.nullcontext(True)
+"""What :meth:`_OpenFile.copying` gives where no view goes to a consumer (reusable)."""
 _RAW_BYTES = 1 << 20
 """Largest piece :meth:`Reader.raws` hands out as bytes (a copy; replica norms are a few KiB)."""
 
@@ -124,19 +126,14 @@ class _OpenFile:
         self.pages.watch(view, start, stop, probe)
         return view
 
-    def clean(self, fp: Footprint) -> bool:
-        """Whether the mapping holds the file's bytes at ``fp``: no view made covers one."""
-        return self.claims is None or self.claims.clean(fp)
-
-    def claim(self, fp: Footprint) -> bool:
-        """Record a view over ``fp``; False where it may not be made (see :mod:`lazyckpt.claims`)."""
-        return self.claims is None or self.claims.claim(fp)
-
-    def copying(self, fp: Footprint) -> contextlib.AbstractContextManager[bool]:
-        """Whether ``fp`` may be copied from the mapping; no view is made over it meanwhile."""
+    def copying(
+        self, first: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+    ) -> contextlib.AbstractContextManager[bool]:
+        """Whether the piece at byte ``first`` may be copied from the mapping; no view is made
+        over it meanwhile (see :mod:`lazyckpt.claims`; always, where views go to no consumer)."""
         if self.claims is None:
-            return contextlib.nullcontext(True)
-        return self.claims.copying([fp])
+            return _COPY_ANY
+        return self.claims.copying([footprint(first, sizes, strides, itemsize)])
 
     def check_range(self, start: int, stop: int, key: str) -> None:
         # Checked before every access: touching a mapping past EOF is SIGBUS, not an error.
@@ -170,8 +167,6 @@ class ViewSpot(NamedTuple):
     dtype: torch.dtype
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
-    fp: Footprint
-    """The bytes it holds."""
 
     @property
     def stop(self) -> int:
@@ -345,13 +340,10 @@ class Reader:
         itemsize = dtype.itemsize
         if first % itemsize:
             return None  # not at an address torch may read as dtype (see copy)
-        fp = footprint(first, sizes, strides, itemsize)
-        if not f.clean(fp):
-            return None  # a view covered some of its bytes: copied with pread (lazyckpt.claims)
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, sizes, strides, itemsize)
         readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
-        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides, fp)
+        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
 
     def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
         """The view :meth:`find_view` found, or None where a view made since covers some of
@@ -360,7 +352,9 @@ class Reader:
         are not counted as read here but by :meth:`hand_out`, when the view is handed out (a
         stream makes views ahead, and one it never hands out was never read)."""
         f, dtype = spot.file, spot.dtype
-        if not f.claim(spot.fp):
+        if f.claims is not None and not f.claims.claim(
+            spot.first, spot.stop, spot.sizes, spot.strides, dtype.itemsize
+        ):
             return None
         if count:
             self._count(f, spot.nbytes)
@@ -375,14 +369,17 @@ class Reader:
         as read."""
         self._count(spot.file, spot.nbytes)
 
-    def settle_views(self) -> None:
+    def settle_views(self) -> bool:
         """Check every view of the mapped files that went, and give back the pages of those
         written into (:meth:`lazyckpt.cow.PrivatePages.settle`): a stream does it before each
-        batch of views it makes ahead."""
+        batch of views it makes ahead. Returns whether any view was ever found written into."""
+        written = False
         for f in list(self._files.values()):
             pages = f.pages
             if pages is not None:
                 pages.settle()
+                written = written or pages.written
+        return written
 
     def stitch(
         self,
@@ -491,8 +488,7 @@ class Reader:
         region = self._region(chunk)
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
-            fp = footprint(first, piece.sizes, region.strides, itemsize)
-            with f.copying(fp) as clean:
+            with f.copying(first, piece.sizes, region.strides, itemsize) as clean:
                 if not clean:  # a view covered some of its bytes: read from the file
                     self._pread(region, dtype, piece, dst_view, key)
                     return
@@ -544,9 +540,10 @@ class Reader:
                 return False  # not at an address torch may read as dtype (see copy)
             sources.append((f, first, piece, region))
         with contextlib.ExitStack() as copying:
-            for f, first, piece, region in sources:
-                fp = footprint(first, piece.sizes, region.strides, itemsize)
-                if not copying.enter_context(f.copying(fp)):
+            for f, first, piece, region in sources if self.consumer_views else ():
+                if not copying.enter_context(
+                    f.copying(first, piece.sizes, region.strides, itemsize)
+                ):
                     return False  # a view covered some of its bytes: copied piece by piece
             parts = []
             for f, first, piece, region in sources:

@@ -41,16 +41,18 @@ def matrix_boxes(draw: st.DrawFn) -> tuple[int, int, int, list[tuple[int, int, i
 
 
 def _box(base: int, cols: int, itemsize: int, box: tuple[int, int, int, int]):
+    """The footprint, the bytes and ``Claims.claim``'s arguments of a box of the matrix."""
     r0, r1, c0, c1 = box
     first, sizes, strides = base + (r0 * cols + c0) * itemsize, (r1 - r0, c1 - c0), (cols, 1)
-    return footprint(first, sizes, strides, itemsize), _bytes(first, sizes, strides, itemsize)
+    fp = footprint(first, sizes, strides, itemsize)
+    return fp, _bytes(first, sizes, strides, itemsize), (first, fp.stop, sizes, strides, itemsize)
 
 
 @given(matrix_boxes(), st.integers(0, 50))
 def test_boxes_of_one_matrix_overlap_exactly_when_they_share_a_byte(drawn, base: int) -> None:
     # q, k, v saved as qkv.split(n, dim=1), a TP dim-1 shard beside its neighbours: told apart.
     _, cols, itemsize, boxes = drawn
-    made = [_box(base, cols, itemsize, b) for b in boxes]
+    made = [_box(base, cols, itemsize, b)[:2] for b in boxes]
     for (fa, ba), (fb, bb) in itertools.product(made, repeat=2):
         assert {b for b in range(fa.start - 1, fa.stop + 1) if _holds(fa, b)} == ba
         assert overlap(fa, fb) == bool(ba & bb), (fa, fb)
@@ -83,20 +85,29 @@ def test_any_strided_pieces_that_share_a_byte_overlap(pieces) -> None:
             assert overlap(fa, fb)
 
 
-@given(matrix_boxes(), st.lists(st.booleans(), min_size=6, max_size=6))
-def test_a_view_is_claimed_only_over_bytes_no_view_or_copy_holds(drawn, copy_first) -> None:
+@given(matrix_boxes(), st.lists(st.booleans(), min_size=6, max_size=6), st.booleans())
+def test_a_view_is_claimed_only_over_bytes_no_view_or_copy_holds(
+    drawn, copy_first, reverse: bool
+) -> None:
+    # In file order most views are only noted, their footprints worked out when first needed;
+    # in reverse, each is checked as it comes: the answers are the same.
     _, cols, itemsize, boxes = drawn
+    if reverse:
+        boxes = boxes[::-1]
     claims = Claims()
     held: set[int] = set()
     for box, copy in zip(boxes, copy_first):
-        fp, mine = _box(3, cols, itemsize, box)
+        fp, mine, piece = _box(3, cols, itemsize, box)
         free = held.isdisjoint(mine)
         assert claims.clean(fp) == free
         if copy:  # a copy under way: no view over its bytes meanwhile, any after it
             with claims.copying([fp]) as ok:
                 assert ok == free
-                assert not claims.claim(fp) or fp.start == fp.stop
+                assert not claims.claim(*piece)
             continue
-        assert claims.claim(fp) == free
+        assert claims.claim(*piece) == free
         if free:
             held |= mine
+    for box in boxes:  # afterwards, every box is clean exactly where no view holds its bytes
+        fp, mine, _ = _box(3, cols, itemsize, box)
+        assert claims.clean(fp) == held.isdisjoint(mine)
