@@ -205,9 +205,11 @@ def _whole(plan: TensorPlan, copy: int, pieces: Sequence[Piece]) -> tuple[Chunk,
 
 def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece]) -> torch.Tensor:
     """The target box as ``copy`` holds it: a view of the mapped file when the copy gives the
-    box as one piece, else a new tensor."""
+    box as one piece, else a new tensor. Never a view in a stream (``reader.consumer_views``):
+    it would claim bytes that no consumer gets, and a later key over them would be copied
+    (see :mod:`lazyckpt.claims`); a copy is checked against the views made instead."""
     dtype, key = plan.entry.dtype, plan.entry.checkpoint_key
-    whole = _whole(plan, copy, pieces)
+    whole = None if reader.consumer_views else _whole(plan, copy, pieces)
     if whole is not None:
         chunk, piece = whole
         view = reader.view(chunk, dtype, piece, key)

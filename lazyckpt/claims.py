@@ -126,10 +126,15 @@ class Claims:
     def _clean(self, fp: Footprint) -> bool:
         if fp.start >= self._stop or fp.start == fp.stop:
             return True
-        if self._noted:
-            noted, self._noted = self._noted, []
-            for piece in noted:
-                self._record(footprint(*piece))
+        noted = self._noted
+        if noted:
+            done = 0
+            try:  # each dropped once recorded: an exception (an interrupt) loses none
+                for piece in noted:
+                    self._record(footprint(*piece))
+                    done += 1
+            finally:
+                del noted[:done]
         hi = self._hi
         if hi and fp.start < hi[-1]:  # else every range ends before it
             j = bisect.bisect_right(hi, fp.start)

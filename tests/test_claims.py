@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,3 +112,26 @@ def test_a_view_is_claimed_only_over_bytes_no_view_or_copy_holds(
     for box in boxes:  # afterwards, every box is clean exactly where no view holds its bytes
         fp, mine, _ = _box(3, cols, itemsize, box)
         assert claims.clean(fp) == held.isdisjoint(mine)
+
+
+def test_an_interrupt_while_noted_views_are_worked_out_loses_none(monkeypatch) -> None:
+    # Views noted on the fast path get their footprints when bytes before the furthest one are
+    # first asked about; an exception then (an interrupt) must leave every view still held.
+    import lazyckpt.claims as module
+
+    claims = Claims()
+    assert claims.claim(0, 400, (100,), (1,), 4)
+    assert claims.claim(400, 800, (100,), (1,), 4)
+    real = module.footprint
+
+    def interrupted(*args):
+        monkeypatch.setattr(module, "footprint", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "footprint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        claims.clean(Footprint(0, 4))
+    assert not claims.claim(0, 400, (100,), (1,), 4)
+    assert not claims.clean(Footprint(400, 800))
+    with claims.copying([Footprint(600, 700)]) as ok:
+        assert not ok

@@ -257,6 +257,22 @@ def test_keys_side_by_side_in_one_storage_are_views(tmp_path: Path) -> None:
 
 
 @linux
+def test_replica_checks_claim_no_bytes(tmp_path: Path) -> None:
+    # A replicated key compared across rank files is read for the comparison only: a later key
+    # over the same bytes (here the whole matrix it was saved from) is still a view.
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(64, 128, generator=g)
+    for r in range(2):
+        torch.save({"small": whole[:, :8], "big": whole}, tmp_path / f"consolidated.{r:02d}.pth")
+    stats = lazyckpt.LoadStats()
+    options = lazyckpt.ModelCheckpointLoadOptions(stats=stats, verify_replicas_max_bytes=16 << 10)
+    got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}, options))
+    assert torch.equal(got["small"], whole[:, :8]) and torch.equal(got["big"], whole)
+    assert stats.bytes_verified > 0  # "small" was compared
+    assert stats.views == 1  # "big" (32 KiB, past the verify bound) is a view
+
+
+@linux
 @pytest.mark.parametrize("tp_size", [1, 8])
 def test_strided_views_written_in_place_hold_one_batch_of_pages(
     tmp_path: Path, tp_size: int
