@@ -218,17 +218,19 @@ def _stream(
 
         def find_ahead(i: int) -> None:
             """Find the views of keys ``i`` on (see ``Reader.find_view``), within
-            ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES``, and make them. In the first batch, and
-            in all once the consumer is seen writing into views, the bytes a view spans count,
-            not its box: a strided view written in place makes private copies of all its
-            span's pages (counting spans in every batch made more, smaller batches: 0.2 ms of
-            a 14 ms HF load that writes nothing). A loop of views, with the check of the views that went for
-            writes before it (``Reader.settle_views``), costs a fresh process 2-3% less of an
-            HF load than making and checking each view between two of the consumer's tensors,
-            whose code and data it pushes out of the CPU's caches (see benchmarks/HISTORY.md);
-            written pages then outlive their view by at most one batch. A key over bytes that
-            a view covered (tied keys) is no view: it is copied at its turn, with ``pread``
-            (see ``lazyckpt.claims``). An error is raised at its key's turn."""
+            ``_AHEAD_KEYS`` keys and ``_AHEAD_BYTES``, and make them.
+
+            In the first batch, and in all once the consumer is seen writing into views, the
+            bytes a view spans count, not its box: a strided view written in place makes
+            private copies of all its span's pages (counting spans in every batch made more,
+            smaller batches: 0.2 ms of a 14 ms HF load that writes nothing). A loop of views,
+            with the check of the views that went for writes before it
+            (``Reader.settle_views``), costs a fresh process 2-3% less of an HF load than
+            making and checking each view between two of the consumer's tensors, whose code
+            and data it pushes out of the CPU's caches (see benchmarks/HISTORY.md); written
+            pages then outlive their view by at most one batch. A key over bytes that a view
+            covered (tied keys) is no view: it is copied at its turn, with ``pread`` (see
+            ``lazyckpt.claims``). An error is raised at its key's turn."""
             nonlocal first_batch
             spans = reader.settle_views() or first_batch
             first_batch = False

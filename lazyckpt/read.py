@@ -540,11 +540,12 @@ class Reader:
                 return False  # not at an address torch may read as dtype (see copy)
             sources.append((f, first, piece, region))
         with contextlib.ExitStack() as copying:
-            for f, first, piece, region in sources if self.consumer_views else ():
-                if not copying.enter_context(
-                    f.copying(first, piece.sizes, region.strides, itemsize)
-                ):
-                    return False  # a view covered some of its bytes: copied piece by piece
+            if self.consumer_views:  # no view is made over the pieces while they are copied
+                for f, first, piece, region in sources:
+                    if not copying.enter_context(
+                        f.copying(first, piece.sizes, region.strides, itemsize)
+                    ):
+                        return False  # a view covered some of its bytes: copied piece by piece
             parts = []
             for f, first, piece, region in sources:
                 readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
