@@ -426,8 +426,8 @@ class TorchArchive:
 
     def left_out(self) -> str | None:
         """A note naming the entries beside the one the weights were taken from (see
-        :func:`flatten_state_dict`: optimizer state, counters), which no load yields; None
-        where the file holds the weights alone."""
+        :func:`flatten_state_dict`: optimizer state, counters), which no load yields, for the
+        caller to put after the file's name; None where the file holds the weights alone."""
         if not isinstance(self.obj, Mapping):
             return None
         _, wrapper = _unwrap(self.obj)
@@ -438,7 +438,7 @@ class TorchArchive:
             return None
         more = f" and {len(others) - 8} more" if len(others) > 8 else ""
         return (
-            f"{self.path.name}: weights taken from its {wrapper!r} entry; left out beside it: "
+            f"weights taken from its {wrapper!r} entry; left out beside it: "
             f"{', '.join(others[:8])}{more}"
         )
 

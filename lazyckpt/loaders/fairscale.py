@@ -177,12 +177,10 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
 def _left_out(archives: list[TorchArchive]) -> list[str]:
     """What the rank files hold beside their weights (see ``TorchArchive.left_out``): noted
     once where every file says the same."""
-    notes = [note for a in archives if (note := a.left_out()) is not None]
-    if len(notes) == len(archives) > 1 and all(
-        note.split(": ", 1)[1] == notes[0].split(": ", 1)[1] for note in notes
-    ):
-        return [f"every rank file{notes[0][len(archives[0].path.name) :]}"]
-    return notes
+    notes = [(a.path.name, note) for a in archives if (note := a.left_out()) is not None]
+    if len(notes) == len(archives) > 1 and len({note for _, note in notes}) == 1:
+        return [f"every rank file: {notes[0][1]}"]
+    return [f"{name}: {note}" for name, note in notes]
 
 
 def _alike(ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]]) -> bool:

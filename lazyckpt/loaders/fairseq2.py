@@ -101,9 +101,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             files += stage_files
             note = grid[0][0][0].left_out()  # shards of a stage are saved alike
             if note is not None:
-                notes.append(
-                    f"{stage_files[0].relative_to(path)}{note[len(stage_files[0].name) :]}"
-                )
+                notes.append(f"{stage_files[0].relative_to(path)}: {note}")
             first_file, (_, first) = grid_files[0][0], grid[0][0]
             for row_files, row in zip(grid_files, grid):
                 for f, (_, flat) in zip(row_files, row):

@@ -51,7 +51,7 @@ def read_torch_file(
     ]
     note = archive.left_out()
     if note is not None and notes is not None:
-        notes.append(note)
+        notes.append(f"{path.name}: {note}")
     return tensors
 
 
