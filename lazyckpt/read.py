@@ -348,9 +348,9 @@ class Reader:
     def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
         """The view :meth:`find_view` found, or None where a view made since covers some of
         its bytes, or a copy under way reads them (the caller copies: see
-        :mod:`lazyckpt.claims`). ``count=False``: its bytes
-        are not counted as read here but by :meth:`hand_out`, when the view is handed out (a
-        stream makes views ahead, and one it never hands out was never read)."""
+        :mod:`lazyckpt.claims`). ``count=False``: its bytes are not counted as read here but by
+        :meth:`hand_out`, when the view is handed out (a stream makes views ahead, and one it
+        never hands out was never read)."""
         f, dtype = spot.file, spot.dtype
         if f.claims is not None and not f.claims.claim(
             spot.first, spot.stop, spot.sizes, spot.strides, dtype.itemsize
