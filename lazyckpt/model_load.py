@@ -28,7 +28,7 @@ from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
-from lazyckpt.plan import Box, mesh_box
+from lazyckpt.plan import Box, mesh_box, repeats_elements
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -479,7 +479,7 @@ def _refuse_shared_elements(key: str, t: torch.Tensor) -> torch.Tensor:
     """``t``, unless several of its elements are one in memory (a stride of 0: an expanded
     tensor), which no copy may write (``copy_`` refuses it): refused by name before anything
     is written, where it would have stopped the load halfway with torch's message."""
-    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    if repeats_elements(t.shape, t.stride()):
         raise ValueError(
             f"{key!r} is an expanded tensor (stride 0 on a dim of size > 1, shape "
             f"{tuple(t.shape)}, strides {t.stride()}): its elements share memory, so it cannot "

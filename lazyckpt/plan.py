@@ -330,6 +330,13 @@ def span(sizes: Sequence[int], strides: Sequence[int]) -> int:
     return n
 
 
+def repeats_elements(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a strided view reaches one element by several indices (a stride of 0 on a dim
+    of size > 1: an expanded tensor). Nothing may be written through such a view: each write
+    would land on the same place over and over (``copy_`` refuses it)."""
+    return any(st == 0 and n > 1 for n, st in zip(sizes, strides))
+
+
 def _file_order(
     sizes: Sequence[int], strides: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -48,6 +48,7 @@ from lazyckpt.plan import (
     is_dense,
     middle_run,
     plan_stitch,
+    repeats_elements,
     span,
 )
 from lazyckpt.stats import LoadStats
@@ -572,9 +573,8 @@ class Reader:
         region = self._region(chunk)
         itemsize = dtype.itemsize
         strides = dst.stride()
-        if any(st == 0 and n > 1 for st, n in zip(strides, piece.sizes)):
-            # Elements share memory (an expanded tensor): reads would write one place over
-            # and over. load_into refuses such a target by key first (model_load).
+        if repeats_elements(piece.sizes, strides):
+            # load_into refuses such a target by key first (model_load).
             return None
         run_bytes, offsets = _run_offsets(piece.sizes, region.strides, strides, itemsize)
         if offsets is None:
