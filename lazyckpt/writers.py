@@ -353,10 +353,27 @@ class TorchSaveWriter:
         else:  # the C++ writer only takes ASCII names; torch.save falls back the same way
             self._stream = open(path, "xb")  # noqa: SIM115 - closed in close()/abort()
             self._writer = torch._C.PyTorchFileWriter(self._stream, crc, align)
-        self._writer.write_record("data.pkl", pkl, len(pkl))
-        self._writer.write_record(".format_version", "1", 1)
-        self._writer.write_record(".storage_alignment", str(align), len(str(align)))
-        self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        with self._failing():
+            self._writer.write_record("data.pkl", pkl, len(pkl))
+            self._writer.write_record(".format_version", "1", 1)
+            self._writer.write_record(".storage_alignment", str(align), len(str(align)))
+            self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Aborts on any error, and turns torch's writer's (a ``RuntimeError`` saying ``basic_ios``
+        or ``unexpected pos``, never the errno) into an ``OSError`` naming the file."""
+        try:
+            yield
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, RuntimeError):
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+                raise OSError(
+                    f"torch's zip writer failed ({detail}); is the disk full, or a file size "
+                    "limit (ulimit -f) reached?"
+                ) from exc
+            raise
 
     @property
     def complete(self) -> bool:
@@ -370,7 +387,8 @@ class TorchSaveWriter:
         data = _dense_bytes(tensor)
         if data.untyped_storage().nbytes() != data.numel() or data.storage_offset() != 0:
             data = data.clone()  # a record is a whole storage: copy out a view into a larger one
-        self._writer.write_record(f"data/{self._next}", data.untyped_storage(), data.numel())
+        with self._failing():
+            self._writer.write_record(f"data/{self._next}", data.untyped_storage(), data.numel())
         self._next += 1
 
     def close(self) -> None:
@@ -382,16 +400,25 @@ class TorchSaveWriter:
             raise RuntimeError(
                 f"{self.path}: tensors from {missing!r} on never arrived; this is a lazyckpt bug"
             )
-        writer, self._writer = self._writer, None
-        writer.write_end_of_file()
-        del writer
-        if self._stream is not None:
-            self._stream.close()
-        with open(self.path, "rb+") as f:
-            os.fsync(f.fileno())
+        with self._failing():
+            self._writer.write_end_of_file()
+            self._writer = None  # the C++ writer closes its file when released
+            if self._stream is not None:
+                self._stream.close()
+            with open(self.path, "rb+") as f:
+                os.fsync(f.fileno())
 
     def abort(self) -> None:
-        self._writer = None  # the C++ writer closes its file when released
+        """Drop the writer with its file unfinished (the caller removes the file).
+
+        Released unfinished, torch's writer finishes the file in its destructor, where a write
+        that fails (the disk full) terminates the process. Finishing it here first marks it
+        finished even when that fails, so the release only closes the file."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(RuntimeError):
+                writer.write_end_of_file()
+            del writer
         if self._stream is not None:
             self._stream.close()
 
@@ -722,7 +749,8 @@ def reshard(
         for out in outputs:
             by_layout.setdefault(out.layout, []).append(out)
         for layout, files in by_layout.items():
-            _write_rank(loader, src_path, shard_dims, replace(base, layout=layout), files, tmp, bar)
+            options = replace(base, layout=layout)
+            _write_rank(loader, src_path, shard_dims, options, files, tmp, dst_path, bar)
         if fmt == "safetensors" and tp == 1 and dp == 1:
             weight_map = {s.key: o.name for o in outputs for s in o.specs}
             doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -802,40 +830,57 @@ def _write_rank(
     options: ModelCheckpointLoadOptions,
     files: list[OutputFile],
     folder: Path,
+    shown: Path,
     bar: tqdm,
 ) -> None:
-    """Stream one rank's tensors into its output files, opening each file when its first
-    tensor comes and closing it when its last one is written."""
+    """Stream one rank's tensors into its output files in ``folder``, opening each file when
+    its first tensor comes and closing it when its last one is written. A file that cannot be
+    written is named as it would be in ``shown``, the destination (not the hidden folder)."""
     target: dict[str, OutputFile] = {s.key: f for f in files for s in f.specs}
     open_writers: dict[str, SafetensorsWriter | TorchSaveWriter] = {}
     stream = loader.lazy_load(src, shard_dims, options)
     try:
         for f in files:
             if not f.specs:  # an empty shard: no tensor will ever open it
-                open_writers[f.name] = _open_writer(folder, f)
+                with _writing(shown / f.name):
+                    open_writers[f.name] = _open_writer(folder, f)
         for key, tensor in stream:
             out = target[key]
-            writer = open_writers.get(out.name)
-            if writer is None:
-                writer = open_writers[out.name] = _open_writer(folder, out)
-            bar.set_description(f"writing {out.name}", refresh=False)
-            writer.write(key, tensor)
-            nbytes = tensor.numel() * tensor.element_size()
-            del tensor
-            bar.update(nbytes)
-            if writer.complete:
-                writer.close()
+            with _writing(shown / out.name):
+                writer = open_writers.get(out.name)
+                if writer is None:
+                    writer = open_writers[out.name] = _open_writer(folder, out)
+                bar.set_description(f"writing {out.name}", refresh=False)
+                writer.write(key, tensor)
+                nbytes = tensor.numel() * tensor.element_size()
+                del tensor
+                bar.update(nbytes)
+                if writer.complete:
+                    writer.close()
         for f in files:
             w = open_writers.get(f.name)
             if w is None:
                 raise RuntimeError(f"{folder / f.name}: no tensor arrived; this is a lazyckpt bug")
-            w.close()
+            with _writing(shown / f.name):
+                w.close()
     except BaseException:
         for w in open_writers.values():
             w.abort()
         raise
     finally:
         stream.close()  # type: ignore[attr-defined]  # stops the prefetch thread at once
+
+
+@contextmanager
+def _writing(shown: Path) -> Iterator[None]:
+    """An ``OSError`` raised in the block (a full disk) said of the file ``shown``; the writers'
+    own errors name no file (``os.pwrite`` gives none), or the hidden folder's."""
+    try:
+        yield
+    except OSError as exc:
+        error = OSError(f"cannot write {shown}: {exc.strerror or exc}")
+        error.errno = exc.errno  # kept for callers, out of the message's way
+        raise error from exc
 
 
 def _open_writer(folder: Path, out: OutputFile) -> SafetensorsWriter | TorchSaveWriter:

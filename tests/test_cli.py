@@ -616,6 +616,40 @@ def test_a_reshard_that_fails_midway_leaves_nothing(
     assert not (tmp_path / "new").exists()  # parents made for it are removed too
 
 
+@pytest.mark.parametrize("fmt", ["consolidated", "safetensors"])
+def test_a_full_disk_midway_is_one_error_naming_the_file_and_leaves_nothing(
+    mp4, tmp_path: Path, fmt: str
+) -> None:
+    # A file size limit (ulimit -f) makes writes past it fail with EFBIG, as a full disk fails
+    # them with ENOSPC (Python ignores SIGXFSZ). torch's zip writer then threw again from its
+    # destructor when released unfinished: the process aborted, its hidden folder left behind.
+    import resource
+
+    folder, _, _ = mp4
+    argv = ["reshard", str(folder), "", "--tp", "2", "--format", fmt]
+    reference = tmp_path / "reference"
+    assert main([*argv[:2], str(reference), *argv[3:]]) == 0
+    size = max(p.stat().st_size for p in reference.iterdir())
+    for limit in (1000, size // 2, size - 64):
+        out_parent = tmp_path / f"out{limit}"
+        out_parent.mkdir()
+        child = subprocess.run(
+            [sys.executable, "-m", "lazyckpt", *argv[:2], str(out_parent / "mp2"), *argv[3:]],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            preexec_fn=lambda n=limit: resource.setrlimit(
+                resource.RLIMIT_FSIZE, (n, resource.RLIM_INFINITY)
+            ),
+        )
+        assert child.returncode == 1, (limit, child.stderr)
+        errors = [ln for ln in child.stderr.splitlines() if ln.startswith("lazyckpt: error:")]
+        assert len(errors) == 1 and "Traceback" not in child.stderr, child.stderr
+        assert errors[0].startswith("lazyckpt: error: cannot write "), errors
+        assert str(out_parent / "mp2") in errors[0] and "lazyckpt-tmp" not in errors[0]
+        assert _listing(out_parent) == []
+
+
 _INTERRUPTED_CHILD = """
 import sys, time
 from pathlib import Path
