@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -22,13 +21,14 @@ from torch import nn
 
 from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill_all
+from lazyckpt.claims import Footprint, footprint, overlap
 from lazyckpt.errors import ModelCheckpointError
 from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
-from lazyckpt.plan import Box, mesh_box, repeats_elements
+from lazyckpt.plan import Box, mesh_box, repeats_elements, span
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -421,26 +421,42 @@ def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list
 
 
 def _refuse_overlaps(keys: Sequence[str], targets: Mapping[str, _Target]) -> None:
-    """Two keys to load whose dense tensors overlap in one storage (views of one flat buffer
-    that share elements) would be written at once by the two threads: refused by name, as
-    ``load_state_dict``'s result there is its copy order's. Strided tensors are left out:
-    their spans may interleave without sharing an element (``w[::2]``, ``w[1::2]``)."""
-    spans = []
+    """Two keys to load whose tensors share an element (views of one buffer: slices that
+    overlap, a parameter and its transpose) would be written at once by the two threads (a
+    mix of both, run to run): refused by name, as ``load_state_dict``'s result there is its
+    copy order's. Tensors whose spans meet are told apart by the bytes they hold
+    (:func:`lazyckpt.claims.footprint`): exactly for dense tensors and for windows of the rows
+    of one matrix (``w[::2]`` beside ``w[1::2]``, column slices side by side); other strided
+    views whose spans meet are taken to share one."""
+    spans: dict[torch.device, list[tuple[int, int, str, torch.Tensor]]] = {}
     for key in keys:
         target = targets[key]
-        t = target.tensor
-        if target.is_dtensor or t.is_meta or t.numel() == 0 or not t.is_contiguous():
+        t = _local(target.tensor) if target.is_dtensor else target.tensor
+        if t.is_meta or t.numel() == 0:
             continue
-        start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-        spans.append((start, start + t.numel() * t.element_size(), key))
-    spans.sort()
-    for (_, end, key), (start, _, other) in itertools.pairwise(spans):
-        if start < end:
-            raise ValueError(
-                f"{key!r} and {other!r} share memory (views of one buffer that overlap): "
-                "load_into writes keys in parallel; drop one with options.key_map, or load "
-                "them with load_state_dict"
-            )
+        size = t.element_size()
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * size
+        n = t.numel() if t.is_contiguous() else span(t.shape, t.stride())
+        spans.setdefault(t.device, []).append((start, start + n * size, key, t))
+    for on_device in spans.values():
+        on_device.sort()  # keys are unique: tensors are never compared
+        live: list[tuple[int, int, str, torch.Tensor]] = []  # spans reaching this one's start
+        for this in on_device:
+            start = this[0]
+            if live:
+                live = [s for s in live if s[1] > start]
+            for other in live:
+                if overlap(_footprint(other[0], other[3]), _footprint(start, this[3])):
+                    raise ValueError(
+                        f"{other[2]!r} and {this[2]!r} share memory (views of one buffer that "
+                        "overlap): load_into writes keys in parallel; drop one with "
+                        "options.key_map, or load them with load_state_dict"
+                    )
+            live.append(this)
+
+
+def _footprint(start: int, t: torch.Tensor) -> Footprint:
+    return footprint(start, tuple(t.shape), tuple(t.stride()), t.element_size())
 
 
 def _account_keys(
