@@ -118,7 +118,8 @@ class PrivatePages:
     mapping, while its pages were being dropped.
 
     While a stream runs (``defer``), the views that went are checked for writes in batches: when
-    the stream is about to make its next batch of views (:meth:`settle`), when a view is made
+    the stream is about to make its next batch of views or to build a key it copies
+    (:meth:`settle`), when a view is made
     once ``defer`` bytes of them have gone, before a new view is made over their pages, and when
     the stream ends (:meth:`flush`). Each check is a read of the page map, and one between the
     consumer's kernels cost 4-7 us here against ~1.5 back to back. Meanwhile a view that goes

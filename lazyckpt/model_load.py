@@ -435,7 +435,7 @@ def _refuse_overlaps(keys: Sequence[str], targets: Mapping[str, _Target]) -> Non
         if t.is_meta or t.numel() == 0:
             continue
         size = t.element_size()
-        start = t.untyped_storage().data_ptr() + t.storage_offset() * size
+        start = t.untyped_storage().data_ptr() + int(t.storage_offset()) * size
         n = t.numel() if t.is_contiguous() else span(t.shape, t.stride())
         spans.setdefault(t.device, []).append((start, start + n * size, key, t))
     for on_device in spans.values():

@@ -108,6 +108,34 @@ def test_written_views_that_went_are_given_back_when_the_stream_ends(tmp_path: P
 
 
 @linux
+@pytest.mark.parametrize("kw", [{"contiguous": True}, {"dtype": torch.bfloat16}])
+def test_a_written_view_followed_only_by_copies_is_given_back_midway(
+    tmp_path: Path, kw: dict
+) -> None:
+    # The views that went are checked for writes before the next batch of views, or when the
+    # next view is made: a stream whose later keys are all copies (strided keys with
+    # contiguous=True; a cast, which leaves only the integer key a view) kept the written
+    # pages to its end.
+    sd: dict[str, torch.Tensor] = {"buf": torch.arange(8 << 20)}  # 64 MiB of int64: a view
+    for i in range(8):
+        sd[f"w{i}"] = torch.randn(256, 256).t()  # saved transposed
+    torch.save(sd, tmp_path / "m.pt")
+    want = sd["buf"] + 1  # made before the baseline is taken
+    options = lazyckpt.ModelCheckpointLoadOptions(prefetch_bytes=0, **kw)
+    gc.collect()
+    base = _rss_anon()
+    after = []
+    for key, t in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.pt", {}, options):
+        if key == "buf":
+            t.add_(1)
+            assert torch.equal(t, want)
+        del t
+        after.append(_rss_anon() - base)
+    assert after[0] > 48 << 20  # the view's written pages, private until checked
+    assert max(after[1:]) < 16 << 20, [a >> 20 for a in after]
+
+
+@linux
 def test_writes_a_live_view_can_see_are_kept(tmp_path: Path) -> None:
     # Neighbours that share pages at their seams, and a key saved as part of another (a copy,
     # not a second view of the same bytes: see test_tied_keys_hold_the_file_whatever_was_written):
