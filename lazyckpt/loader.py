@@ -22,7 +22,12 @@ from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import CheckpointIndex
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
-from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
+from lazyckpt.options import (
+    KeyMap,
+    ModelCheckpointLoadOptions,
+    apply_key_map,
+    options_or_default,
+)
 from lazyckpt.prefetch import prefetched
 from lazyckpt.read import Reader, ViewSpot
 from lazyckpt.stats import LoadStats, byte_bar
@@ -132,7 +137,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
 
         ``infer_shard_dim`` decides the dim of a model-parallel key missing from ``shard_dims``
         from its shard shapes (formats that store global shapes never ask)."""
-        options = options or ModelCheckpointLoadOptions()
+        options = options_or_default(options)
         shard_dims = {} if shard_dims is None else shard_dims
         check_shard_dims(shard_dims)
         p = check_path(path)
@@ -149,7 +154,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         options: ModelCheckpointLoadOptions | None = None,
     ) -> tuple[CheckpointIndex, list[TensorPlan]]:
         """Index and plan a load without reading tensor data (a dry run)."""
-        options = options or ModelCheckpointLoadOptions()
+        options = options_or_default(options)
         shard_dims = {} if shard_dims is None else shard_dims
         layout = options.target_layout()
         index = self.index(path, shard_dims, options)
@@ -169,7 +174,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         shard_dims: Mapping[str, int],
         options: ModelCheckpointLoadOptions | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        options = options or ModelCheckpointLoadOptions()
+        options = options_or_default(options)
         _, plans = self.plan(path, shard_dims, options)
         deliverer = Deliverer(options)
         return _stream(plans, options, deliverer)

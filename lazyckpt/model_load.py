@@ -27,7 +27,7 @@ from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
-from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map
+from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map, options_or_default
 from lazyckpt.plan import Box, mesh_box, repeats_elements, span
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
@@ -279,7 +279,7 @@ def load_into(
     ``prefetch_bytes`` do not apply: each target's own box, dtype and storage decide (a
     checkpoint tensor is cast to its target's dtype), and nothing is read ahead of its place.
     """
-    options = options or ModelCheckpointLoadOptions()
+    options = options_or_default(options)
     _reshard_fsdp(model)
     targets = _targets(model)
     # The device only serves meta tensors, which are made there: refused only if it would be.

@@ -139,6 +139,22 @@ class ModelCheckpointLoadOptions:
         return self.layout if self.layout is not None else Layout()
 
 
+def options_or_default(options: object) -> ModelCheckpointLoadOptions:
+    """``options``, or the defaults for None. Anything else is refused by name: a dict of fields
+    failed deep inside with ``AttributeError: 'dict' object has no attribute ...``."""
+    if options is None:
+        return ModelCheckpointLoadOptions()
+    if not isinstance(options, ModelCheckpointLoadOptions):
+        hint = (
+            "; write ModelCheckpointLoadOptions(**options)" if isinstance(options, Mapping) else ""
+        )
+        raise TypeError(
+            "options must be a lazyckpt.ModelCheckpointLoadOptions or None, got a "
+            f"{type(options).__name__}{hint}"
+        )
+    return options
+
+
 def apply_key_map(key_map: KeyMap | None, key: str) -> str | None:
     """The new name of ``key`` (``None``: dropped)."""
     if key_map is None:

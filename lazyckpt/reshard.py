@@ -52,7 +52,17 @@ def reshard_tensor(
                 raise TypeError(
                     f"{key}: source_splits[{i}][{j}] is a {type(t).__name__}, not a tensor"
                 )
+            if t.layout != torch.strided or t.is_quantized:
+                what, fix = (
+                    ("quantized", "dequantize") if t.is_quantized else (t.layout, "to_dense")
+                )
+                raise TypeError(
+                    f"{key}: source_splits[{i}][{j}] is a {what} tensor; reshard_tensor takes "
+                    f"dense ones: pass t.{fix}()"
+                )
     dim = shard_dims.get(key)
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise ValueError(f"shard_dims[{key!r}] must be an int, got {dim!r}")
     grid = [
         [Cell(tuple(t.shape), t.dtype, t, f"source_splits[{i}][{j}]") for j, t in enumerate(row)]
         for i, row in enumerate(source_splits)

@@ -134,6 +134,21 @@ def test_bad_options_are_value_errors() -> None:
         lazyckpt.ModelCheckpointLoadOptions(device="warp-drive")
 
 
+def test_options_that_are_not_options_are_refused_by_name(tmp_path: Path) -> None:
+    # A dict of fields failed deep inside: "'dict' object has no attribute 'target_layout'".
+    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, tmp_path / "m.safetensors")
+    loader = lazyckpt.get_model_checkpoint_loader()
+    fix = r"ModelCheckpointLoadOptions\(\*\*options\)"
+    with pytest.raises(TypeError, match=f"got a dict; write {fix}"):
+        loader.lazy_load(tmp_path / "m.safetensors", {}, {"mmap": False})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=f"got a dict; write {fix}"):
+        lazyckpt.load_into(
+            torch.nn.Linear(3, 2), tmp_path / "m.safetensors", options={"mmap": False}  # type: ignore[arg-type]
+        )
+    with pytest.raises(TypeError, match=r"got a Layout$"):
+        loader.lazy_load(tmp_path / "m.safetensors", {}, lazyckpt.Layout())  # type: ignore[arg-type]
+
+
 def test_closing_the_stream_early_stops_the_prefetcher(tmp_path: Path) -> None:
     save_file({f"k{i}": torch.randn(256, 64) for i in range(20)}, tmp_path / "m.safetensors")
     opts = lazyckpt.ModelCheckpointLoadOptions(prefetch_bytes=1 << 20, dtype=torch.float16)

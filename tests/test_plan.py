@@ -211,6 +211,12 @@ def test_reshard_tensor_rejects_bad_input() -> None:
         lazyckpt.reshard_tensor("k", [[t], [torch.zeros(2, 4)]], (2, 1), (1, 1), (0, 0), {})
     with pytest.raises(ValueError, match="out of range"):
         lazyckpt.reshard_tensor("k", [[t]], (1, 1), (1, 1), (0, 0), {"k": 2})
+    # Dims that are not ints: a raw TypeError, a slicing error, and True taken as dim 1.
+    for dim in ("0", 0.0, True):
+        with pytest.raises(ValueError, match=r"shard_dims\['k'\] must be an int"):
+            lazyckpt.reshard_tensor("k", [[t], [t]], (2, 1), (1, 1), (0, 0), {"k": dim})
+    with pytest.raises(TypeError, match=r"source_splits\[0\]\[0\] is a torch.sparse_coo tensor"):
+        lazyckpt.reshard_tensor("k", [[t.to_sparse()]], (1, 1), (1, 1), (0, 0), {})
 
 
 @given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), data=st.data())
