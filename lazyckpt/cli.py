@@ -204,7 +204,16 @@ def resolve_shard_dims(
     """``--shard-dims`` if given; for a fairscale MP-N folder without it, a preset detected
     from the shapes; else none (every key replicated)."""
     if spec is not None:
-        return load_shard_dims(spec)
+        choice = load_shard_dims(spec)
+        if spec in PRESETS:
+            name = detect_preset(loader, path, base)
+            if name is not None and name != spec:
+                _note(
+                    f"--shard-dims {spec}: the shapes fit preset {name} (under {spec}, "
+                    "tok_embeddings and output do not reassemble to one shape); check the "
+                    "model's version"
+                )
+        return choice
     name = detect_preset(loader, path, base)
     if name is not None:
         _note(f"shard dims: detected preset {name} from the shapes; pass --shard-dims to override")
@@ -213,6 +222,16 @@ def resolve_shard_dims(
 
 
 def _warn_no_dims(choice: ShardDimsChoice, index: CheckpointIndex, tp: int = 1) -> None:
+    """Notes on shard dims that cannot be what the user meant: keys of a ``--shard-dims`` file
+    that the checkpoint lacks (a typo splits nothing), or none for a model-parallel set."""
+    if choice.source.startswith("file "):
+        unknown = [k for k in choice.dims if k not in index.entries]
+        if unknown:
+            shown = ", ".join(repr(k) for k in unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+            _note(
+                f"--shard-dims {choice.source[5:]}: {len(unknown)} key(s) the checkpoint lacks, "
+                f"ignored: {shown}"
+            )
     if choice.concrete(list(index.entries)):
         return
     if index.format in ("fairscale", "fairseq2") and len(index.files) > 1:

@@ -124,6 +124,30 @@ def test_inspect_with_a_json_shard_dims_file(
     }
 
 
+def test_shard_dims_that_cannot_be_meant_are_noted(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # A typo in a --shard-dims file split nothing, silently (the key was written whole into
+    # every TP rank's file); a Llama 2 preset over a Llama 3 set was verified with no word.
+    folder, full, dims = mp4
+    spec = tmp_path / "dims.json"
+    typo = {("layers.0.attention.wq.weigth" if k == "layers.0.attention.wq.weight" else k): d
+            for k, d in dims.items()}
+    spec.write_text(json.dumps(typo))
+    save_file({k: t.contiguous() for k, t in full.items()}, tmp_path / "full.safetensors")
+    rc, _, err = run(
+        capsys, "reshard", tmp_path / "full.safetensors", tmp_path / "out", "--tp", "2",
+        "--shard-dims", spec,
+    )
+    assert rc == 0
+    assert f"--shard-dims {spec}: 1 key(s) the checkpoint lacks, ignored: " in err
+    assert "'layers.0.attention.wq.weigth'" in err
+    rc, _, err = run(capsys, "verify", folder, "--shard-dims", "llama2-fairscale")
+    assert "the shapes fit preset llama3-fairscale" in err
+    rc, _, err = run(capsys, "verify", folder, "--shard-dims", "llama3-fairscale")
+    assert rc == 0 and "note" not in err
+
+
 # -- errors and exit codes -------------------------------------------------------------------
 
 
