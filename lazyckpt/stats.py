@@ -69,9 +69,12 @@ class LoadStats:
     views: int = 0
     """Of those, how many were zero-copy views of the mapped file."""
     seconds: float = 0.0
-    """Wall time from the first read to the last yield."""
+    """Wall time from the first read to the last yield, summed over the loads given this
+    object (one reused for two loads a second apart counted the second between them)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _started: float | None = field(default=None, repr=False, compare=False)
+    _before: float = field(default=0.0, repr=False, compare=False)
+    """:attr:`seconds` of the loads before the current one."""
 
     def add_read(self, path: str, nbytes: int) -> None:
         with self._lock:
@@ -87,10 +90,12 @@ class LoadStats:
             self.tensors += 1
             self.views += int(view)
             if self._started is not None:
-                self.seconds = time.perf_counter() - self._started
+                self.seconds = self._before + time.perf_counter() - self._started
 
     def start(self) -> None:
-        if self._started is None:
+        """A load starts reading: its time adds to that of the loads before it."""
+        with self._lock:
+            self._before = self.seconds
             self._started = time.perf_counter()
 
     @property

@@ -238,6 +238,29 @@ def test_views_made_ahead_are_counted_when_handed_out_and_dropped_with_the_strea
     assert not _mapped(tmp_path / "m.safetensors")
 
 
+def test_a_stats_object_reused_sums_the_loads_times_not_the_time_between(
+    tmp_path: Path,
+) -> None:
+    # seconds ran from the first load's start: a LoadStats reused after a pause counted the
+    # pause, and summary() showed a rate hundreds of times too low.
+    import time
+
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "m.safetensors")
+    stats = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    list(loader.lazy_load(tmp_path / "m.safetensors", {}, opts))
+    first = stats.seconds
+    time.sleep(0.5)
+    began = time.perf_counter()
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.empty(64, 64))
+    report = lazyckpt.load_into(model, tmp_path / "m.safetensors", options=opts)
+    second = time.perf_counter() - began
+    assert report.stats is stats and stats.tensors == 2
+    assert first < stats.seconds <= first + second
+
+
 _CAST_PEAK = """
 import gc, sys, threading, time
 import torch, lazyckpt
