@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 
 from lazyckpt.build import output_dtype
+from lazyckpt.claims import Claims
 from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
 from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
@@ -35,7 +36,7 @@ from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
-from lazyckpt.plan import span
+from lazyckpt.plan import element_offset, span
 from lazyckpt.presets import PRESETS, ShardDimPreset
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -345,11 +346,15 @@ def summarize_plans(
 
     The peak is the tensor the caller holds plus what the prefetch thread may have built ahead
     under its budget (always at least the next tensor); zero-copy views of mapped files count
-    nothing, since their pages belong to the page cache.
+    nothing, since their pages belong to the page cache. It is a bound: a key counts as a view
+    only where the load is sure to make one (not a DCP chunk, located at load time and copied
+    where its bytes are not aligned to its dtype; not a key over bytes that an earlier view
+    holds, see :mod:`lazyckpt.claims`), and a stitched view counts as the copy it may be.
     """
     read: dict[Path, int] = {}
     verified: dict[Path, int] = {}
     mem, cost = [], []
+    claims: dict[Path, Claims] = {}
     for p in plans:
         item = p.entry.dtype.itemsize
         for piece in p.pieces:
@@ -363,7 +368,13 @@ def summarize_plans(
                     verified[path] = verified.get(path, 0) + piece.numel * item
         out = output_dtype(p.entry.dtype, dtype)
         # A box inside one chunk of a mapped file, not cast, is yielded as a (strided) view.
-        view = mmap and p.may_be_view and out == p.entry.dtype and bool(p.pieces)
+        view = (
+            mmap
+            and p.may_be_view
+            and out == p.entry.dtype
+            and bool(p.pieces)
+            and _sure_view(p, claims)
+        )
         extra = p.nbytes if p.verify else 0  # a replica copy read alongside, to compare
         mem.append(0 if view else p.box.numel * out.itemsize + extra)
         cost.append(0 if p.may_be_view and mmap else p.nbytes)
@@ -383,6 +394,21 @@ def summarize_plans(
         largest=max(mem, default=0),
         peak=peak,
     )
+
+
+def _sure_view(p: TensorPlan, claims: dict[Path, Claims]) -> bool:
+    """Whether the load is sure to yield ``p``'s box (in one chunk) as a view: its chunk's place
+    is known and aligned, and no view before it holds its bytes (the views recorded in
+    ``claims``, per file, as a stream records them)."""
+    piece = p.pieces[0]
+    region = p.chunks[piece.chunk].data
+    itemsize = p.entry.dtype.itemsize
+    if not isinstance(region, FileRegion) or region.byte_offset % itemsize:
+        return False
+    first = region.byte_offset + element_offset(piece.src_offsets, region.strides) * itemsize
+    stop = first + span(piece.sizes, region.strides) * itemsize
+    files = claims.setdefault(region.path, Claims())
+    return files.claim(first, stop, piece.sizes, region.strides, itemsize)
 
 
 def _layout_of(args: argparse.Namespace) -> Layout:
@@ -464,8 +490,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "compared then dropped"
         )
     print(
-        f"peak memory:    ~{human(s.peak)} (largest tensor {human(s.largest)}, prefetch up to "
-        f"{human(options.prefetch_bytes)}; zero-copy views of mapped files not counted)"
+        f"peak memory:    up to {human(s.peak)} (largest tensor {human(s.largest)}, prefetch up "
+        f"to {human(options.prefetch_bytes)}; zero-copy views of mapped files not counted)"
     )
     return EXIT_OK
 

@@ -246,6 +246,24 @@ def test_plan_says_what_a_load_reads(
     assert doc["largest_tensor_bytes"] <= doc["peak_memory_bytes"]
 
 
+def test_plan_peak_memory_counts_keys_that_may_not_be_views(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Keys over bytes an earlier view holds (tied, a slice of another) are read into memory of
+    # their own, and a DCP chunk is a view only where its bytes are aligned: the plan counted
+    # them all as views, a peak of 0 for loads that took tens of MB.
+    x = torch.randn(256, 64)
+    torch.save({"a": x, "b": x[10:110], "c": torch.randn(32, 64)}, tmp_path / "tied.pt")
+    doc = run_json(capsys, "plan", tmp_path / "tied.pt", "--tp", "1")
+    assert doc["peak_memory_bytes"] >= x[10:110].nbytes
+    save_file({"a": x, "c": torch.randn(32, 64)}, tmp_path / "m.safetensors")
+    assert run_json(capsys, "plan", tmp_path / "m.safetensors", "--tp", "1")["peak_memory_bytes"] == 0
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": x}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert run_json(capsys, "plan", tmp_path / "dcp", "--tp", "1")["peak_memory_bytes"] >= x.nbytes
+
+
 def test_plan_text(capsys: pytest.CaptureFixture[str], mp4) -> None:
     folder, _, _ = mp4
     rc, out, err = run(capsys, "plan", folder, "--tp", "2", "--tp-rank", "1")
