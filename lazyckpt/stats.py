@@ -52,9 +52,14 @@ def byte_bar(total: int, desc: str, *, enabled: bool) -> tqdm | _NoBar:
 class LoadStats:
     """Filled in place while a load runs; pass one in ``ModelCheckpointLoadOptions(stats=...)``.
 
-    ``bytes_read`` counts the source bytes copied out of each file (the bytes of the target
-    box, plus any gap bytes a coalesced read took along), ``bytes_delivered`` the bytes of the
-    tensors handed to the caller, before any dtype cast.
+    ``bytes_read`` counts the source bytes copied out of each file or handed out as views of it
+    (the bytes of the target box, plus any gap bytes a coalesced read took along),
+    ``bytes_delivered`` the bytes of the tensors handed to the caller, before any dtype cast.
+    Neither counts metadata (headers, zip directories, a DCP chunk's inner zip records, read
+    when first needed) or what the kernel reads beyond the bytes asked: whole pages, and from a
+    cold page cache the pages a mapped load asks for ahead (see :mod:`lazyckpt.readahead`: the
+    views of up to 64 MiB ahead, which a stream stopped early never hands out, and the whole
+    span of a strided box that fills at least half of it).
     """
 
     bytes_read: dict[str, int] = field(default_factory=dict)
