@@ -221,11 +221,21 @@ class Reader:
         with self._lock:  # a thread still building (a stream closed by the GC) opens no more
             self._closed = True
             files, self._files = self._files, {}
-        for f in files.values():
+        self._local = threading.local()  # the caller's bounce buffer (a worker's went with it)
+        # Every file is closed though one close is interrupted (a Ctrl-C there left the other
+        # files' descriptors open for the life of the process): the stack runs the rest, then
+        # raises.
+        with contextlib.ExitStack() as stack:
+            for f in files.values():
+                stack.callback(self._close_file, f)
+
+    @staticmethod
+    def _close_file(f: _OpenFile) -> None:
+        try:
             if f.pages is not None:
                 f.pages.flush()  # views that go from now on are checked at once
+        finally:
             f.close()
-        self._local = threading.local()  # the caller's bounce buffer (a worker's went with it)
 
     def _open(self, path: Path) -> _OpenFile:
         f = self._files.get(path)

@@ -207,6 +207,36 @@ def test_a_stream_left_early_leaves_no_file_open_and_no_tensor_alive(
     assert not [st for st in states if st.ready], "prefetched tensors kept after the stream ended"
 
 
+def test_a_ctrl_c_while_closing_one_file_still_closes_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reader closed its files one after the other: a KeyboardInterrupt in one close left
+    # the descriptors of every file after it open for the life of the process.
+    from lazyckpt import read
+
+    for r in range(4):
+        save_file({f"k{r}": torch.randn(64, 64)}, tmp_path / f"m-{r}.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"k{r}": f"m-{r}.safetensors" for r in range(4)}})
+    )
+    close = read._OpenFile.close
+    interrupted = []
+
+    def close_then_interrupt(self: read._OpenFile) -> None:
+        close(self)
+        if not interrupted:
+            interrupted.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(read._OpenFile, "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        for _key, _tensor in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}):
+            pass
+    del _tensor
+    gc.collect()
+    assert interrupted and _open_under(tmp_path) == 0
+
+
 def _mapped(path: Path) -> bool:
     with open("/proc/self/maps") as f:
         return any(line.rstrip().endswith(str(path)) for line in f)
