@@ -94,3 +94,17 @@ def test_every_torch_layout_is_found_by_its_pickled_name() -> None:
     assert torch.strided in layouts
     for layout in layouts:
         assert layout_by_name(str(layout)) is layout is _get_layout(str(layout))
+
+
+def test_a_broken_torch_distributed_import_is_not_blamed_on_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The metadata classes were imported by the unpickler, whose every error was reported as
+    # "the file is damaged": so was an import that failed (a first import interrupted by
+    # Ctrl-C leaves modules half made, and every later load said so of a healthy folder).
+    import sys
+
+    dcp.save({"w": torch.randn(4, 4)}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.metadata", None)
+    with pytest.raises(ImportError, match=r"torch\.distributed\.checkpoint\.metadata"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "ck", {})

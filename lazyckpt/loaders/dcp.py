@@ -95,6 +95,11 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
     if size > _MAX_METADATA_BYTES:
         raise CorruptModelCheckpointError(path, f"is {size} bytes, too large for DCP metadata")
     data = path.read_bytes()
+    # Imported before unpickling, not by it: an import that fails (an environment broken, or a
+    # first import interrupted by Ctrl-C, which leaves modules half made) is not the file's
+    # fault, and was reported as "the file is damaged".
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
         meta = _MetadataUnpickler(data, path, restrict).load()
     except CorruptModelCheckpointError:
@@ -103,8 +108,6 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
         raise CorruptModelCheckpointError(
             path, f"cannot be unpickled ({type(exc).__name__}: {exc}); the file is damaged"
         ) from None
-    from torch.distributed.checkpoint.metadata import Metadata
-
     if not isinstance(meta, Metadata):
         raise CorruptModelCheckpointError(path, f"holds a {type(meta).__name__}, not DCP Metadata")
     return meta
