@@ -10,7 +10,9 @@ tensor already in memory (``reshard_tensor``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +175,9 @@ class CheckpointIndex:
     metadata: Mapping[str, str] = field(default_factory=dict)
     """Free-form format metadata (safetensors ``__metadata__``, ``params.json`` ...); may be
     read only when first asked for."""
+    stamps: dict[Path, FileStamp] = field(default_factory=dict)
+    """Each file's :func:`file_stamp` when it was indexed: a load refuses a file that changed
+    since (see ``Reader``), whose bytes the index's offsets no longer describe."""
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries.values())
@@ -183,6 +188,26 @@ class CheckpointIndex:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+
+FileStamp = tuple[int, int, int, int]
+"""A file's device, inode, size and modification time (ns)."""
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    """What tells a file replaced (``os.replace`` of a new one: another inode) or rewritten in
+    place (another size or modification time) from the one indexed."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def stamp_files(index: CheckpointIndex) -> None:
+    """Fill ``index.stamps`` for its data files (one ``stat`` each); a file gone meanwhile is
+    left out, and its load says it is gone."""
+    metadata = set(index.metadata_files)
+    for f in index.files:
+        if f not in metadata:
+            with contextlib.suppress(OSError):
+                index.stamps[f] = file_stamp(os.stat(f))
 
 
 def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry) -> None:

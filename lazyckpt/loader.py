@@ -20,7 +20,7 @@ from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex
+from lazyckpt.index import CheckpointIndex, FileStamp, stamp_files
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import (
     KeyMap,
@@ -144,7 +144,9 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         if not self.supports_path(p):
             raise CorruptModelCheckpointError(p, f"is not a {self.name} checkpoint")
         rules = KeyRules(shard_dims, options.key_map, infer_shard_dim)
-        return self.build_index(p, rules, options)
+        index = self.build_index(p, rules, options)
+        stamp_files(index)
+        return index
 
     @final
     def plan(
@@ -175,9 +177,9 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         options: ModelCheckpointLoadOptions | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         options = options_or_default(options)
-        _, plans = self.plan(path, shard_dims, options)
+        index, plans = self.plan(path, shard_dims, options)
         deliverer = Deliverer(options)
-        return _stream(plans, options, deliverer)
+        return _stream(plans, options, deliverer, index.stamps)
 
 
 _AHEAD_KEYS = 32
@@ -187,7 +189,10 @@ kernel for up to this many bytes of pages at once."""
 
 
 def _stream(
-    plans: list[TensorPlan], options: ModelCheckpointLoadOptions, deliverer: Deliverer
+    plans: list[TensorPlan],
+    options: ModelCheckpointLoadOptions,
+    deliverer: Deliverer,
+    stamps: Mapping[Path, FileStamp],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     stats = options.stats if options.stats is not None else LoadStats()
     device = options.target_device
@@ -213,7 +218,11 @@ def _stream(
     largest = max(sizes, default=0)
     with (
         Reader(
-            use_mmap=options.mmap, stats=stats, defer=cow.STREAM_DEFER, consumer_views=True
+            use_mmap=options.mmap,
+            stats=stats,
+            defer=cow.STREAM_DEFER,
+            consumer_views=True,
+            stamps=stamps,
         ) as reader,
         bar,
         contextlib.closing(alloc.BufferPool(largest + options.prefetch_bytes)) as buffers,

@@ -366,7 +366,11 @@ def load_into(
         stats.add_delivered(plan.nbytes, view=False)
         bar.update(plan.nbytes)
 
-    with torch.no_grad(), Reader(use_mmap=options.mmap, stats=stats) as reader, bar:
+    with (
+        torch.no_grad(),
+        Reader(use_mmap=options.mmap, stats=stats, stamps=index.stamps) as reader,
+        bar,
+    ):
         fill_all(plans, destinations, reader, pool=pool, done=done)
         if pool is not None:
             pool.synchronize()

@@ -30,7 +30,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +39,14 @@ import torch
 from lazyckpt import alloc, cow, readahead, stitch, unmap
 from lazyckpt.claims import Claims, footprint
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import Chunk, FileRegion, LazyRegion, contiguous_strides
+from lazyckpt.index import (
+    Chunk,
+    FileRegion,
+    FileStamp,
+    LazyRegion,
+    contiguous_strides,
+    file_stamp,
+)
 from lazyckpt.plan import (
     Piece,
     concat_order,
@@ -86,10 +93,12 @@ class _OpenFile:
         self._defer = defer
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self.size = os.fstat(self.fd).st_size
+            st = os.fstat(self.fd)
         except OSError:
             os.close(self.fd)
             raise
+        self.size = st.st_size
+        self.stamp = file_stamp(st)
         readahead.no_readahead(self.fd)
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self._bytes: memoryview | None = None
@@ -194,8 +203,12 @@ class Reader:
         stats: LoadStats | None = None,
         defer: int = 0,
         consumer_views: bool = False,
+        stamps: Mapping[Path, FileStamp] | None = None,
     ) -> None:
         self.use_mmap = use_mmap
+        self.stamps = stamps or {}
+        """Files as they were indexed (``CheckpointIndex.stamps``): one that changed since is
+        refused when opened, as the index's offsets no longer describe its bytes."""
         self.stats = stats
         self.consumer_views = consumer_views
         """Views go to a consumer who may write into them (a stream): no two views cover one
@@ -237,7 +250,7 @@ class Reader:
         finally:
             f.close()
 
-    def _open(self, path: Path) -> _OpenFile:
+    def _open(self, path: Path, key: str) -> _OpenFile:
         f = self._files.get(path)
         if f is None:
             with self._lock:
@@ -254,6 +267,16 @@ class Reader:
                     if self._closed:  # by the garbage collector, on this thread, meanwhile
                         f.close()
                         raise RuntimeError(f"{path}: read after the load was closed")
+                    indexed = self.stamps.get(path)
+                    if indexed is not None and f.stamp != indexed:
+                        f.close()
+                        raise CorruptModelCheckpointError(
+                            path,
+                            f"key {key!r}: the file changed since the checkpoint was indexed "
+                            "(replaced or rewritten while loading), its offsets no longer hold; "
+                            "load it again",
+                            key=key,
+                        )
                     self._files[path] = f
         return f
 
@@ -306,11 +329,11 @@ class Reader:
         out.reshape(-1).view(torch.uint8).view(*sizes, itemsize).copy_(src)
         dst.copy_(out)
 
-    def _region(self, chunk: Chunk) -> FileRegion:
+    def _region(self, chunk: Chunk, key: str) -> FileRegion:
         data = chunk.data
         if isinstance(data, LazyRegion):
             # Located through the file this load opens anyway (see LazyRegion).
-            f = self._open(data.path)
+            f = self._open(data.path, key)
             return data.resolve(f.fd, f.size)
         assert isinstance(data, FileRegion)  # tensors are handled by the callers
         return data
@@ -343,7 +366,7 @@ class Reader:
         sizes = piece.sizes
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or 0 in sizes:
             return None
-        region = self._region(chunk)
+        region = self._region(chunk, key)
         strides = region.strides
         if not strided and not is_dense(sizes, strides):
             return None
@@ -413,7 +436,7 @@ class Reader:
             chunk = chunks[piece.chunk]
             if isinstance(chunk.data, torch.Tensor) or not is_dense(piece.sizes, box_strides):
                 return None
-            region = self._region(chunk)
+            region = self._region(chunk, key)
             if not is_dense(piece.sizes, region.strides):
                 return None
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
@@ -458,7 +481,7 @@ class Reader:
             nbytes = piece.numel * itemsize
             if isinstance(chunk.data, torch.Tensor) or not 0 < nbytes <= _RAW_BYTES:
                 return None
-            region = self._region(chunk)
+            region = self._region(chunk, key)
             if not is_dense(piece.sizes, region.strides):
                 return None
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
@@ -496,7 +519,7 @@ class Reader:
         if isinstance(chunk.data, torch.Tensor):
             dst_view.copy_(_sub(chunk.data, piece.src_offsets, piece.sizes))
             return
-        region = self._region(chunk)
+        region = self._region(chunk, key)
         if self.use_mmap:
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             with f.copying(first, piece.sizes, region.strides, itemsize) as clean:
@@ -545,7 +568,7 @@ class Reader:
             chunk = chunks[piece.chunk]
             if isinstance(chunk.data, torch.Tensor):
                 return False
-            region = self._region(chunk)
+            region = self._region(chunk, key)
             f, first, _ = self._locate(region, dtype, piece.src_offsets, piece.sizes, key)
             if first % itemsize:
                 return False  # not at an address torch may read as dtype (see copy)
@@ -580,7 +603,7 @@ class Reader:
             return None
         if dst.device.type != "cpu":
             return None
-        region = self._region(chunk)
+        region = self._region(chunk, key)
         itemsize = dtype.itemsize
         strides = dst.stride()
         if repeats_elements(piece.sizes, strides):
@@ -629,7 +652,7 @@ class Reader:
         key: str,
     ) -> tuple[_OpenFile, int, int]:
         """The open file, the byte offset of the piece's first element, and its element span."""
-        f = self._open(region.path)
+        f = self._open(region.path, key)
         first = region.byte_offset + dtype.itemsize * element_offset(offsets, region.strides)
         count = span(sizes, region.strides)
         f.check_range(first, first + count * dtype.itemsize, key)

@@ -786,7 +786,10 @@ def _check_replicas(
     ]
     if not entries:
         return
-    with torch.no_grad(), Reader(use_mmap=options.mmap, stats=options.stats) as reader:
+    with (
+        torch.no_grad(),
+        Reader(use_mmap=options.mmap, stats=options.stats, stamps=index.stamps) as reader,
+    ):
         for entry in entries:
             dim, box, pieces = plan_entry(entry, shard_dims, Layout(), index.path)
             others = tuple((i, p) for i, p in enumerate(pieces) if i)

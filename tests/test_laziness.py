@@ -21,11 +21,15 @@ import lazyckpt
 
 
 def _overwrite_in_place(src: Path, dst: Path) -> None:
-    """Copy ``src``'s bytes over ``dst`` keeping its inode (what a mapping would see)."""
+    """Copy ``src``'s bytes over ``dst`` keeping its inode (what a mapping would see) and its
+    modification time: the load refuses a file that changed since it was indexed, and this
+    change is one it must not see, to show what it read after the call."""
     data = src.read_bytes()
-    assert len(data) == dst.stat().st_size
+    st = dst.stat()
+    assert len(data) == st.st_size
     with open(dst, "r+b") as f:
         f.write(data)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.mark.parametrize("kind", ["safetensors-index", "torch-folder", "torch-file"])
@@ -88,6 +92,39 @@ def test_a_file_gone_while_streaming_fails_at_its_first_key(tmp_path: Path) -> N
     assert names[1] in str(err.value)
     assert sorted(got) == ["a", "b"]
     assert all(torch.equal(got[k], parts[0][k]) for k in got)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("how", ["replaced", "rewritten"])
+def test_a_file_changed_after_indexing_is_refused_not_misread(
+    tmp_path: Path, mmap: bool, how: str
+) -> None:
+    # The reader opens each file by path when it first reads from it: one replaced meanwhile
+    # (a sync tool's write-then-rename) was read at the old header's offsets, wrong tensors
+    # and no error.
+    import time
+
+    first = {f"a{i:02d}": torch.randn(64, 4) for i in range(40)}  # past the views made ahead
+    parts = [first, {"c": torch.randn(16, 4), "d": torch.randn(16, 4)}]
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for part, name in zip(parts, names):
+        save_file(part, tmp_path / name)
+    weight_map = {k: name for part, name in zip(parts, names) for k in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    options = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap, prefetch_bytes=0)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}, options)
+    key, _ = next(stream)
+    new = {"zz": torch.zeros(3), "c": torch.randn(16, 4), "d": torch.randn(16, 4)}  # other offsets
+    if how == "replaced":
+        save_file(new, tmp_path / "new.safetensors")
+        os.replace(tmp_path / "new.safetensors", tmp_path / names[1])
+    else:
+        time.sleep(0.01)  # a modification time of its own, on coarse clocks too
+        save_file(new, tmp_path / names[1])
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="the file changed since") as err:
+        for _k, _v in stream:
+            pass
+    assert key == "a00" and names[1] in str(err.value)
 
 
 def test_bad_calls_fail_before_the_first_next(tmp_path: Path) -> None:
