@@ -11,6 +11,7 @@ tensor already in memory (``reshard_tensor``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -200,14 +201,40 @@ def file_stamp(st: os.stat_result) -> FileStamp:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def stamp_files(index: CheckpointIndex) -> None:
-    """Fill ``index.stamps`` for its data files (one ``stat`` each); a file gone meanwhile is
-    left out, and its load says it is gone."""
+_SEEN: contextvars.ContextVar[dict[Path, FileStamp] | None] = contextvars.ContextVar(
+    "lazyckpt_seen_stamps", default=None
+)
+
+
+def note_stamp(path: Path, st: os.stat_result) -> None:
+    """A metadata reader's ``fstat`` of the descriptor it reads ``path`` through: while an index
+    is built (:func:`stamped`), the file's stamp is the one its metadata came from, so that a
+    file replaced while the index is built (a large header takes seconds) is caught too."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.setdefault(path, file_stamp(st))
+
+
+def stamped(index_of: Callable[[], CheckpointIndex]) -> CheckpointIndex:
+    """``index_of()`` with ``stamps`` filled for its data files: as their metadata was read
+    (:func:`note_stamp`), else (files indexed without being opened, as a DCP folder's
+    ``.distcp``) as they are now; a file gone meanwhile is left out, and its load says so."""
+    seen: dict[Path, FileStamp] = {}
+    token = _SEEN.set(seen)
+    try:
+        index = index_of()
+    finally:
+        _SEEN.reset(token)
     metadata = set(index.metadata_files)
     for f in index.files:
         if f not in metadata:
-            with contextlib.suppress(OSError):
-                index.stamps[f] = file_stamp(os.stat(f))
+            stamp = seen.get(f)
+            if stamp is None:
+                with contextlib.suppress(OSError):
+                    stamp = file_stamp(os.stat(f))
+            if stamp is not None:
+                index.stamps[f] = stamp
+    return index
 
 
 def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry) -> None:

@@ -20,7 +20,7 @@ from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, FileStamp, stamp_files
+from lazyckpt.index import CheckpointIndex, FileStamp, stamped
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import (
     KeyMap,
@@ -144,9 +144,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         if not self.supports_path(p):
             raise CorruptModelCheckpointError(p, f"is not a {self.name} checkpoint")
         rules = KeyRules(shard_dims, options.key_map, infer_shard_dim)
-        index = self.build_index(p, rules, options)
-        stamp_files(index)
-        return index
+        return stamped(lambda: self.build_index(p, rules, options))
 
     @final
     def plan(

@@ -17,6 +17,7 @@ than the largest tensor plus the budget alive; one that keeps tensors only stops
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Generator, Sequence
@@ -126,8 +127,15 @@ def prefetched(
 
     worker = threading.Thread(target=work, name="lazyckpt-prefetch", daemon=True)
     worker.start()
+    parent = os.getpid()
     try:
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
+            if os.getpid() != parent:
+                # The worker did not come along with fork(): next() would wait for it for good.
+                raise RuntimeError(
+                    "a lazy_load stream cannot go on in a process forked from the one that "
+                    "started it (its prefetch thread stays behind); start a new lazy_load there"
+                )
             if is_inline:
                 value = build(item)
                 yield value
@@ -150,13 +158,15 @@ def prefetched(
             yield built  # type: ignore[misc]
             del built
     finally:
-        with cond:
-            state.stop = True
-            cond.notify_all()
-        # The garbage collector can close a stream dropped in a reference cycle on any thread,
-        # the worker included (it allocates the most): it stops at its next check by itself.
-        if threading.current_thread() is not worker:
-            worker.join()
-        # After the join: a build the worker was in stores its slot when it ends, and a slot
-        # kept here would keep its tensor (and, through its finalizer, this state) for good.
-        state.ready.clear()
+        # In a forked child the worker, and whatever lock it held at the fork, stayed behind.
+        if os.getpid() == parent:
+            with cond:
+                state.stop = True
+                cond.notify_all()
+            # The garbage collector can close a stream dropped in a reference cycle on any thread,
+            # the worker included (it allocates the most): it stops at its next check by itself.
+            if threading.current_thread() is not worker:
+                worker.join()
+            # After the join: a build the worker was in stores its slot when it ends, and a slot
+            # kept here would keep its tensor (and, through its finalizer, this state) for good.
+            state.ready.clear()

@@ -94,12 +94,12 @@ class _OpenFile:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             st = os.fstat(self.fd)
-        except OSError:
+            readahead.no_readahead(self.fd)
+        except BaseException:  # an OSError, or a Ctrl-C: the descriptor is not left open
             os.close(self.fd)
             raise
         self.size = st.st_size
         self.stamp = file_stamp(st)
-        readahead.no_readahead(self.fd)
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self._bytes: memoryview | None = None
         self.pages: cow.PrivatePages | None = None

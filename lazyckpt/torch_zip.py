@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import MAX_INT64, FileRegion
+from lazyckpt.index import MAX_INT64, FileRegion, note_stamp
 from lazyckpt.readahead import no_readahead
 from lazyckpt.zipdir import (
     HEAD_BLOCK,
@@ -528,9 +528,13 @@ def read_torch_archive(
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        no_readahead(fd)  # exact reads of the directory, and no mark for the data reads
     try:
-        if own or size is None:
+        if own:
+            no_readahead(fd)  # exact reads of the directory, and no mark for the data reads
+            st = os.fstat(fd)
+            note_stamp(path, st)
+            size = st.st_size
+        elif size is None:
             size = os.fstat(fd).st_size
         start, length = window if window is not None else (0, size)
         if start < 0 or length < 0 or start + length > size:

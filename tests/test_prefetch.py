@@ -173,3 +173,32 @@ def test_the_loader_keeps_no_yielded_tensor_alive(tmp_path: Path) -> None:
         del t, owner
         assert all(ref() is None for ref in leases[:-1]), "an earlier tensor is still alive"
     assert len(leases) == len(sd) and all(ref() is None for ref in leases)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork()")
+def test_a_stream_continued_in_a_forked_child_raises_instead_of_waiting_for_good(
+    tmp_path: Path,
+) -> None:
+    # The prefetch worker does not come along with fork(): the child's next() waited for it
+    # for good. The parent's stream goes on.
+    import os
+
+    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
+    save_file(sd, tmp_path / "m.safetensors")
+    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
+    got = dict([next(stream)])
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only on the RuntimeError
+        code = 3
+        try:
+            next(stream)
+        except RuntimeError as exc:
+            code = 0 if "forked" in str(exc) else 2
+        except BaseException:
+            code = 4
+        os._exit(code)
+    got.update(stream)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(torch.equal(got[k], sd[k].half()) for k in sd)

@@ -17,7 +17,13 @@ from typing import Any, final
 import torch
 
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import MAX_INT64, CheckpointIndex, FileRegion, contiguous_strides
+from lazyckpt.index import (
+    MAX_INT64,
+    CheckpointIndex,
+    FileRegion,
+    contiguous_strides,
+    note_stamp,
+)
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.loaders._files import (
     FileSet,
@@ -113,7 +119,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         no_readahead(fd)  # no read-ahead mark for the data reads to hit
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        note_stamp(path, st)
+        size = st.st_size
         if size < 8:
             raise CorruptModelCheckpointError(
                 path,
