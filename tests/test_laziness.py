@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,6 +126,29 @@ def test_a_file_changed_after_indexing_is_refused_not_misread(
         for _k, _v in stream:
             pass
     assert key == "a00" and names[1] in str(err.value)
+
+
+def test_a_file_replaced_while_it_is_indexed_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The files were stamped after the index was built: one replaced while its header was
+    # parsed (seconds, for a large one) was stamped as the new file, and read at the old
+    # offsets.
+    from lazyckpt.loaders.safetensors import SafetensorsCheckpointLoader
+
+    save_file({"a": torch.randn(64, 4)}, tmp_path / "m.safetensors")
+    save_file({"zz": torch.zeros(3), "a": torch.randn(64, 4)}, tmp_path / "new.safetensors")
+    build = SafetensorsCheckpointLoader.build_index
+
+    def build_then_replace(self: Any, *args: Any) -> Any:
+        index = build(self, *args)
+        os.replace(tmp_path / "new.safetensors", tmp_path / "m.safetensors")
+        return index
+
+    monkeypatch.setattr(SafetensorsCheckpointLoader, "build_index", build_then_replace)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {})
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="the file changed since"):
+        next(stream)
 
 
 def test_bad_calls_fail_before_the_first_next(tmp_path: Path) -> None:
