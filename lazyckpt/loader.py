@@ -227,7 +227,6 @@ def _stream(
     ):
         found: dict[int, tuple[ViewSpot, torch.Tensor] | Exception | None] = {}
         first_batch = True
-        views_made = False
 
         def find_ahead(i: int) -> None:
             """Find the views of keys ``i`` on (see ``Reader.find_view``), within
@@ -270,7 +269,6 @@ def _stream(
                     return
 
         def build(i: int) -> tuple[int, torch.Tensor, bool]:
-            nonlocal views_made
             if views[i]:
                 if i not in found:
                     find_ahead(i)
@@ -280,13 +278,12 @@ def _stream(
                 if got is not None:
                     spot, view = got
                     reader.hand_out(spot)  # counted as read when handed out
-                    views_made = True
                     return i, view, True
-            if views_made:
-                # Views that went are checked for writes at the next batch of views ahead or
-                # the next view made: a stream whose later keys are all copies (contiguous=True,
-                # a cast of all but integer keys) would keep a written view's pages to its end.
-                reader.settle_views()
+            # Views that went are checked for writes at the next batch of views ahead or the
+            # next view made: a stream whose later keys are all copies (contiguous=True, a cast
+            # of all but integer keys) would keep a written view's pages to its end. (A reader
+            # that made no view has nothing to check: a loop over its files.)
+            reader.settle_views()
             tensor, is_view = build_tensor(
                 plans[i],
                 reader,
@@ -297,7 +294,6 @@ def _stream(
                 buffers=buffers,
                 try_view=not views[i],  # else the reader found that it cannot be one
             )
-            views_made = views_made or is_view
             return i, tensor, is_view
 
         items = prefetched(
