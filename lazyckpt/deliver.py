@@ -50,10 +50,10 @@ class Deliverer:
 
 
 def _mesh_dims(names: tuple[str, ...]) -> tuple[int | None, int | None]:
-    from lazyckpt.layout import _DP_DIM_NAMES, _TP_DIM_NAMES
+    from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES
 
-    tp = next((names.index(n) for n in _TP_DIM_NAMES if n in names), None)
-    dp = next((names.index(n) for n in _DP_DIM_NAMES if n in names), None)
+    tp = next((names.index(n) for n in TP_DIM_NAMES if n in names), None)
+    dp = next((names.index(n) for n in DP_DIM_NAMES if n in names), None)
     return tp, dp
 
 

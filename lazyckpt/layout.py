@@ -9,10 +9,12 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Layout"]
+__all__ = ["DP_DIM_NAMES", "TP_DIM_NAMES", "Layout"]
 
-_DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel")
-_TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
+DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel")
+"""Mesh dim names taken for FSDP's dim, in this order of preference."""
+TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
+"""Mesh dim names taken for the TP dim."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,8 @@ class Layout:
         """
         names = tuple(mesh.mesh_dim_names or ())
         if tp_dim is None and dp_dim is None:
-            tp_dim = next((n for n in _TP_DIM_NAMES if n in names), None)
-            dp_dim = next((n for n in _DP_DIM_NAMES if n in names), None)
+            tp_dim = next((n for n in TP_DIM_NAMES if n in names), None)
+            dp_dim = next((n for n in DP_DIM_NAMES if n in names), None)
             if tp_dim is None and dp_dim is None:
                 raise ValueError(
                     f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyckpt.imported import is_device_mesh
-from lazyckpt.layout import Layout
+from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES, Layout
 from lazyckpt.stats import LoadStats
 
 if TYPE_CHECKING:
@@ -129,6 +129,16 @@ class ModelCheckpointLoadOptions:
 
     def target_layout(self) -> Layout:
         if self.mesh is not None:
+            names = tuple(self.mesh.mesh_dim_names or ())
+            if not any(n in names for n in (*TP_DIM_NAMES, *DP_DIM_NAMES)):
+                # Layout.from_mesh's own fix (tp_dim=/dp_dim=) cannot be passed through options,
+                # and the DTensors yielded need the names too.
+                raise ValueError(
+                    f"options.mesh has dim names {names or 'None'}, none of which says TP or "
+                    "FSDP: name them when making the mesh (init_device_mesh(..., "
+                    f"mesh_dim_names=('dp', 'tp'))); TP names: {', '.join(TP_DIM_NAMES)}; "
+                    f"FSDP names: {', '.join(DP_DIM_NAMES)}"
+                )
             layout = Layout.from_mesh(self.mesh)
             if self.layout is not None and self.layout != layout:
                 raise ValueError(

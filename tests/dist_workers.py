@@ -411,3 +411,10 @@ def check_layout_helpers(rank: int, world: int) -> None:
     else:
         raise AssertionError("an unnamed 1-D mesh must be refused")
     assert lazyckpt.Layout.from_mesh(flat, dp_dim=0) == lazyckpt.Layout(dp_size=world, dp_rank=rank)
+    # Through options, from_mesh's tp_dim=/dp_dim= cannot be passed: the fix is naming the dims.
+    try:
+        lazyckpt.ModelCheckpointLoadOptions(mesh=flat).target_layout()
+    except ValueError as exc:
+        assert "mesh_dim_names=" in str(exc) and "pass tp_dim" not in str(exc), exc
+    else:
+        raise AssertionError("options.mesh with unnamed dims must be refused")
