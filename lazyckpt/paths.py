@@ -77,8 +77,12 @@ def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
 
 
 def _is_hub_blob(root: Path, resolved: Path) -> bool:
-    """True for ``<repo>/blobs/<hash>`` when ``root`` is ``<repo>/snapshots/<revision>``."""
-    return root.parent.name == "snapshots" and resolved.parent == root.parent.parent / "blobs"
+    """True for ``<repo>/blobs/<hash>`` when ``root`` is ``<repo>/snapshots/<revision>`` or a
+    folder inside it (a diffusers repo keeps each model in one: ``transformer/``, ``unet/``)."""
+    for snapshot in (root, *root.parents):
+        if snapshot.parent.name == "snapshots":
+            return resolved.parent == snapshot.parent.parent / "blobs"
+    return False
 
 
 def names_ending(folder: Path, suffixes: str | tuple[str, ...]) -> list[str]:

@@ -597,6 +597,36 @@ def test_symlink_out_of_a_folder_without_index(tmp_path: Path, fmt: str) -> None
     fails(folder, CORRUPT, (f"b{suffix}",), eager=True)
 
 
+@pytest.mark.parametrize("sub", ["", "transformer"])
+def test_hugging_face_hub_cache_links_into_its_blobs(tmp_path: Path, sub: str) -> None:
+    # The hub cache links snapshots/<rev>/[<model folder>/]<name> to ../(../)blobs/<hash>: the
+    # files lie outside the folder passed but inside the repo's own blobs, and load (a diffusers
+    # repo keeps each model in a folder of its own). A blob of another repo stays refused.
+    repo = tmp_path / "models--org--name"
+    folder = repo / "snapshots" / "0123abcd" / sub
+    folder.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    up = os.path.relpath(repo / "blobs", folder)
+    sd = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.weight": torch.ones(4)}
+    weight_map = {}
+    for i, key in enumerate(sd):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({key: sd[key]}, repo / "blobs" / f"hash{i}")
+        (folder / name).symlink_to(f"{up}/hash{i}")
+        weight_map[key] = name
+    (repo / "blobs" / "hashindex").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").symlink_to(f"{up}/hashindex")
+    for path in (folder, folder / "model.safetensors.index.json"):
+        got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(path, {}))
+        assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    other = tmp_path / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    (repo / "blobs" / "hash1").rename(other / "hash1")
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    (folder / "model-00002-of-00002.safetensors").symlink_to(other / "hash1")
+    fails(folder, CORRUPT, ("model-00002-of-00002.safetensors", "outside"), eager=True)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_same_key_in_two_files_without_index(tmp_path: Path, fmt: str) -> None:
     suffix, _, save = FMTS[fmt]
