@@ -41,7 +41,7 @@ from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_entry, plan_load
 from lazyckpt.loader import IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
-from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.options import ModelCheckpointLoadOptions, castable
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
 
@@ -164,6 +164,8 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 for _attr, _name in (
     ("float8_e4m3fn", "F8_E4M3"),
     ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
     ("float8_e8m0fnu", "F8_E8M0"),
     ("uint16", "U16"),
     ("uint32", "U32"),
@@ -182,9 +184,13 @@ def _check_storable(spec: TensorSpec) -> None:
     its pairs), naming the key: before anything is written, and again by the writer."""
     if spec.dtype not in _ST_DTYPES or (spec.dtype == _PACKED and not spec.shape):
         dims = " and no dims" if spec.dtype == _PACKED and not spec.shape else ""
-        raise ValueError(
-            f"key {spec.key!r} has dtype {spec.dtype}{dims}, which safetensors cannot store; "
+        fix = (
             "pass --dtype or use --format consolidated"
+            if castable(spec.dtype)
+            else "use --format consolidated (--dtype casts floating-point tensors only)"
+        )
+        raise ValueError(
+            f"key {spec.key!r} has dtype {spec.dtype}{dims}, which safetensors cannot store; {fix}"
         )
 
 

@@ -395,6 +395,33 @@ def test_packed_float4_in_safetensors_loads_and_is_written_back(tmp_path: Path) 
         assert same_bits(back["x"], x.chunk(2, 1)[rank]) and same_bits(back["y"], y.chunk(2, 0)[rank])
 
 
+def test_reshard_to_safetensors_writes_every_dtype_safetensors_writes(tmp_path: Path) -> None:
+    # Whatever the real writer stores (float8 "fnuz" included), a safetensors checkpoint that
+    # lazyckpt reads it also writes back: probed dtype by dtype, so a new one shows up here.
+    from lazyckpt.writers import reshard
+
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    for dtype in {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}:
+        if dtype.itemsize == 0:
+            continue
+        t = torch.randint(0, 256, (4, 2 * dtype.itemsize), dtype=torch.uint8, generator=g)
+        try:
+            t = t.view(dtype)
+            save_file({"x": t}, tmp_path / "probe.safetensors")
+        except (TypeError, RuntimeError, ValueError, KeyError):
+            continue  # not a dtype safetensors stores
+        sd[str(dtype).removeprefix("torch.")] = t
+    assert {"float8_e4m3fnuz", "float8_e5m2fnuz", "bfloat16", "uint64"} <= set(sd)
+    save_file(sd, tmp_path / "m.safetensors")
+    reshard(tmp_path / "m.safetensors", tmp_path / "out", {k: 0 for k in sd}, tp=2, fmt="safetensors")
+    for rank, f in enumerate(sorted((tmp_path / "out").glob("*.safetensors"))):
+        back = load_file(f)
+        assert back.keys() == sd.keys()
+        for key, t in sd.items():
+            assert same_bits(back[key], t.chunk(2, 0)[rank]), key
+
+
 def test_reshard_to_safetensors_refuses_what_it_cannot_store_before_writing(
     tmp_path: Path,
 ) -> None:
@@ -405,7 +432,8 @@ def test_reshard_to_safetensors_refuses_what_it_cannot_store_before_writing(
     scalar4 = torch.tensor(7, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     for key, t in (("z", torch.ones(2, dtype=torch.complex128)), ("s", scalar4)):
         torch.save({"w": torch.ones(2), key: t}, tmp_path / f"{key}.pt")
-        with pytest.raises(ValueError, match=f"key '{key}' has dtype .*cannot store"):
+        # --dtype casts floating-point tensors only: not offered where it cannot help.
+        with pytest.raises(ValueError, match=f"key '{key}' has dtype .*cannot store; use --format"):
             reshard(tmp_path / f"{key}.pt", tmp_path / f"out_{key}", {}, fmt="safetensors")
         assert not (tmp_path / f"out_{key}").exists() or not any((tmp_path / f"out_{key}").iterdir())
 
