@@ -724,10 +724,12 @@ def flatten_state_dict(
 ) -> dict[str, StoredTensor]:
     """The flat ``{key: tensor}`` of a loaded torch object.
 
-    A dict whose ``"model"`` or ``"state_dict"`` entry is a dict is unwrapped to it (training
-    checkpoints keep optimizer state and counters beside the weights). Nested dicts are joined
-    with ``.``. Any other value is an error naming the key, unless ``keep(key)`` says the load
-    does not want it (``options.key_map`` dropped it: a module's ``_extra_state``, say).
+    A dict whose ``"model"``, ``"state_dict"`` or ``"model_state_dict"`` entry is a dict is
+    unwrapped to it (training checkpoints keep optimizer state and counters beside the weights;
+    the last is the PyTorch tutorial's name). Nested dicts are joined with ``.``, integer keys
+    (an optimizer's per-parameter state) written in decimal. Any other value is an error naming
+    the key, unless ``keep(key)`` says the load does not want it (``options.key_map`` dropped
+    it: a module's ``_extra_state``, say).
     """
     if isinstance(obj, Unsupported):
         raise CorruptModelCheckpointError(path, f"the file holds {obj.what}; {obj.hint}")
@@ -750,9 +752,10 @@ def flatten_state_dict(
 
 
 def _unwrap(obj: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], str | None]:
-    """The weights of a training checkpoint: its ``"model"`` or ``"state_dict"`` entry where
-    that is a dict (and the entry's name), else ``obj`` itself (and None)."""
-    for wrapper in ("model", "state_dict"):
+    """The weights of a training checkpoint: its ``"model"``, ``"state_dict"`` or
+    ``"model_state_dict"`` entry where that is a dict (and the entry's name), else ``obj``
+    itself (and None)."""
+    for wrapper in ("model", "state_dict", "model_state_dict"):
         inner = obj.get(wrapper)
         if isinstance(inner, Mapping):
             return inner, wrapper
@@ -767,9 +770,15 @@ def _flatten(
     keep: Callable[[str], bool] | None,
 ) -> None:
     for k, v in obj.items():
-        if not isinstance(k, str):
+        if isinstance(k, int) and not isinstance(k, bool):
+            k = str(k)  # optimizer state: {param index: {...}}; a clash is caught below
+        elif not isinstance(k, str):
             raise CorruptModelCheckpointError(
-                path, f"key {prefix}{k!r} is not a string", key=f"{prefix}{k!r}"
+                path,
+                f"key {prefix}{k!r} is a {type(k).__name__}, not a string or int, so it has no "
+                "name to load or to drop by key_map; save the weights under 'model' beside it, "
+                "or save the file again without it",
+                key=f"{prefix}{k!r}",
             )
         key = prefix + k
         if isinstance(v, StoredTensor):

@@ -260,6 +260,40 @@ def test_entries_beside_the_weights_are_noted(tmp_path: Path) -> None:
     assert lazyckpt.loaders.detect_loader(tmp_path / "plain.pt").index(tmp_path / "plain.pt").notes == []
 
 
+def test_general_checkpoints_with_optimizer_state(tmp_path: Path) -> None:
+    # The PyTorch tutorial's "general checkpoint" keeps the weights under "model_state_dict";
+    # an optimizer's state dict, under any name, has int keys (per-parameter state), which
+    # are joined in decimal so that key_map can name them and drop them.
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(
+        {"epoch": 5, "model_state_dict": model.state_dict(),
+         "optimizer_state_dict": opt.state_dict(), "loss": torch.tensor(0.25)},
+        tmp_path / "tutorial.pt",
+    )
+    want = torch.load(tmp_path / "tutorial.pt", weights_only=True)
+    target = torch.nn.Linear(4, 3)
+    report = lazyckpt.load_into(target, tmp_path / "tutorial.pt")
+    assert report.loaded == ["weight", "bias"]
+    assert same_bits(target.weight.detach(), want["model_state_dict"]["weight"])
+    index = lazyckpt.loaders.detect_loader(tmp_path / "tutorial.pt").index(tmp_path / "tutorial.pt")
+    assert "weights taken from its 'model_state_dict' entry" in index.notes[0]
+
+    torch.save({"weights": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "o.pt")
+    state = want["optimizer_state_dict"]["state"]
+    got = load_all(tmp_path / "o.pt", {}, key_map=lambda k: None if "param_groups" in k else k)
+    assert list(got) == ["weights.weight", "weights.bias"] + [
+        f"optimizer.state.{i}.{name}" for i in state for name in state[i]
+    ]
+    for i in state:
+        for name, t in state[i].items():
+            assert same_bits(got[f"optimizer.state.{i}.{name}"], t)
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"optimizer\.param_groups"):
+        load_all(tmp_path / "o.pt", {})  # a list: named, with the key_map that drops it
+
+
 @pytest.mark.parametrize(
     "gone", ["last-sdp-of-a-tp-rank", "last-tp-rank-of-a-stage", "last-tp-rank-of-the-first-stage"]
 )
