@@ -174,7 +174,9 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
             box = Box(tuple(offset), tuple(local_shape))
         cache[cache_key] = box
     local = _local(t)
-    if tuple(local.shape) != box.sizes:
+    # A shard of no elements may be held in any empty shape: FSDP2 keeps a (4, 0) parameter's
+    # shards as (0, 0), where the placements give (2, 0). Nothing is read into it.
+    if tuple(local.shape) != box.sizes and (local.numel() or box.numel):
         raise ValueError(
             f"{name}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{t.placements} give {box.sizes}"
@@ -338,7 +340,8 @@ def load_into(
             f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
             f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
             f"{' ...' if len(report.unexpected) > 20 else ''}; pass strict=False to load the "
-            f"common keys, or options.key_map to rename{_prefix_hint(report)}",
+            f"common keys, or options.key_map to rename{_prefix_hint(report)}"
+            f"{_notes_hint(index.notes)}",
             report,
         )
     box_cache: dict[tuple[Any, ...], Box] = {}
@@ -355,6 +358,9 @@ def load_into(
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
     destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
+    for p in plans:  # an empty shard held in another empty shape (see _box) takes the box's
+        if tuple(destinations[p.key].shape) != p.box.sizes:
+            destinations[p.key] = destinations[p.key].view(p.box.sizes)
     pool = None
     if any(d.device.type == "cuda" for d in destinations.values()):
         pool = PinnedPool()
@@ -377,6 +383,15 @@ def load_into(
     _install_materialized(targets, destinations)
     report.loaded = [key for key in index.entries if key not in shadowed]
     return report
+
+
+def _notes_hint(notes: Sequence[str]) -> str:
+    """The index's notes (what it left out: a training checkpoint's optimizer state, a pickled
+    object), where they may say where missing keys went; else empty."""
+    if not notes:
+        return ""
+    more = f" (and {len(notes) - 3} more)" if len(notes) > 3 else ""
+    return "; the checkpoint's index notes: " + "; ".join(notes[:3]) + more
 
 
 def _prefix_hint(report: LoadReport) -> str:

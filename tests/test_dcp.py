@@ -46,18 +46,62 @@ def test_dcp_chunks_come_from_the_metadata(dcp_saves: dict[str, Path]) -> None:
 def test_dcp_reads_only_needed_chunks_and_bytes(dcp_saves: dict[str, Path]) -> None:
     folder = dcp_saves["fsdp2"]
     loader = lazyckpt.get_model_checkpoint_loader()
-    # FSDP dp-3 rank 0 of an FSDP2 dp-3 save: the same boxes, so one .distcp file holds them all
-    # (replicated buffers are deduplicated by DCP into rank 0's file).
+    # FSDP dp-3 rank 0 of an FSDP2 dp-3 save: the same boxes, so rank 0's .distcp file holds
+    # them all, but for the replicated buffer, which DCP's dedup writes into one rank's file
+    # (its choice balances the files' sizes). A key of no elements reads nothing.
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    needed = sorted(
+        {
+            info.relative_path
+            for index, info in meta.storage_data.items()
+            if not any(index.offset) and meta.state_dict_metadata[index.fqn].size.numel() > 0
+        }
+    )
+    assert "__0_0.distcp" in needed
     stats = lazyckpt.LoadStats()
     stream = loader.lazy_load(folder, {}, lazyckpt.ModelCheckpointLoadOptions(
         layout=lazyckpt.Layout(dp_size=3, dp_rank=0), stats=stats))
     with opened_files() as seen:
         got = {k: v.clone() for k, v in stream}
     # Opened once: each chunk's zip is located through the reader's descriptor.
-    assert [Path(p).name for p in seen] == ["__0_0.distcp"]
+    assert sorted(Path(p).name for p in seen if p.endswith(".distcp")) == needed
     assert stats.read_amplification == 1.0
     truth = odd_model_truth()
     assert same_bits(got["embed.weight"], truth["embed.weight"][:18])
+
+
+@pytest.mark.parametrize("save", ["fsdp2", "2d", "tp", "single"])
+def test_verify_passes_every_save_torch_writes(
+    dcp_saves: dict[str, Path], save: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # FSDP2 stores the shards of OddModel's (4, 0) parameter as (0, 0) tensors under chunks of
+    # (2, 0): torch's own layout, not damage.
+    from lazyckpt.cli import main
+
+    assert main(["verify", "--read", str(dcp_saves[save])]) == 0, capsys.readouterr()
+
+
+def test_a_nested_state_dict_saved_unflattened_is_named(tmp_path: Path) -> None:
+    # flatten_state_dict=False makes DCP pickle a nested dict whole: no tensor item at all.
+    # Refused with the planner named, not loaded as an empty checkpoint; beside a tensor it is
+    # a note, which load_into's key mismatch passes on.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    sd = {"w": torch.randn(6, 4), "b": torch.arange(5)}
+    flat = DefaultSavePlanner(flatten_state_dict=False)
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "a"), no_dist=True, planner=flat)
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="flatten_state_dict=False"):
+        load_all(tmp_path / "a")
+    dcp.save(
+        {"model": sd, "step": torch.tensor(3)},
+        checkpoint_id=str(tmp_path / "b"),
+        no_dist=True,
+        planner=DefaultSavePlanner(flatten_state_dict=False),
+    )
+    assert list(load_all(tmp_path / "b")) == ["step"]
+    model = torch.nn.Linear(4, 6)
+    with pytest.raises(lazyckpt.KeyMismatchError, match="skipped 'model': a pickled object"):
+        lazyckpt.load_into(model, tmp_path / "b")
 
 
 def test_dcp_metadata_globals_are_allow_listed(tmp_path: Path) -> None:

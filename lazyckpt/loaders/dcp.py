@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import math
 import os
 import pathlib
 import pickle
@@ -214,9 +215,23 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
+        pickled = [fqn for fqn, md in tensors.items() if isinstance(md, BytesStorageMetadata)]
+        if pickled and len(pickled) == len(tensors):
+            shown = ", ".join(repr(f) for f in pickled[:5]) + (" ..." if len(pickled) > 5 else "")
+            raise CorruptModelCheckpointError(
+                meta_path,
+                f"holds no tensor, only pickled objects ({shown}): DCP pickles what its planner "
+                "does not flatten, so a state dict saved with DefaultSavePlanner("
+                "flatten_state_dict=False) is one object; save with the default planner, or "
+                "convert the folder with torch.distributed.checkpoint.format_utils."
+                "dcp_to_torch_save and load the file it writes",
+            )
         for fqn, md in tensors.items():
             if isinstance(md, BytesStorageMetadata):
-                notes.append(f"skipped {fqn!r}: a pickled object, not a tensor")
+                notes.append(
+                    f"skipped {fqn!r}: a pickled object, not a tensor (a nested state dict saved "
+                    "with flatten_state_dict=False is one)"
+                )
                 continue
             target = rules.target(fqn) if isinstance(fqn, str) else None
             if target is None:
@@ -374,7 +389,10 @@ def _locate(
             "not a tensor",
             key=fqn,
         )
-    if stored.dtype != dtype or stored.sizes != sizes:
+    # A chunk of no elements may be stored in any empty shape: FSDP2 saves the shards of a
+    # (4, 0) parameter as (0, 0) tensors under chunks of (2, 0). Nothing is read from it.
+    empty = math.prod(stored.sizes) == 0 and math.prod(sizes) == 0
+    if stored.dtype != dtype or (stored.sizes != sizes and not empty):
         raise CorruptModelCheckpointError(
             file,
             f"key {fqn!r}: the chunk at byte {offset} is {stored.dtype} {list(stored.sizes)} "
