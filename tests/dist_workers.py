@@ -429,3 +429,31 @@ def check_layout_helpers(rank: int, world: int) -> None:
         assert "mesh_dim_names=" in str(exc) and "pass tp_dim" not in str(exc), exc
     else:
         raise AssertionError("options.mesh with unnamed dims must be refused")
+
+
+def check_load_into_empty_tp_shard(rank: int, world: int, src: str) -> None:
+    """``nn.Linear(1, 4)`` row-parallel over TP-2 gives TP rank 1 a ``(4, 0)`` shard, which
+    FSDP2 over DP-2 then holds as ``(0, 0)``: ``load_into`` fills every rank as torch shards the
+    truth (the non-empty shards hold their column, the empty ones are left empty)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import lazyckpt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(init: dict[str, torch.Tensor] | None) -> nn.Module:
+        model = nn.Sequential(nn.Linear(1, 4, bias=False))
+        if init is not None:
+            model.load_state_dict(init)
+        parallelize_module(model, mesh["tp"], {"0": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    truth = torch.load(src, weights_only=True)
+    want = build(truth)[0].weight.to_local()
+    model = build(None)
+    lazyckpt.load_into(model, src)
+    got = model[0].weight.to_local()
+    assert got.shape == want.shape and torch.equal(got, want), (rank, got, want)

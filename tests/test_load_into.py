@@ -12,6 +12,7 @@ import torch
 from dist_workers import (
     OddModel,
     check_load_into,
+    check_load_into_empty_tp_shard,
     check_load_into_matches_torch_sharding,
     check_load_into_unsharded,
     odd_model_truth,
@@ -405,3 +406,8 @@ def test_mesh_and_placements_without_a_spec() -> None:
             self.placements = ["Shard(0)", "Replicate()"]
 
     assert _mesh_and_placements(Public()) == ("the mesh", ("Shard(0)", "Replicate()"))
+
+
+def test_an_empty_tp_shard_under_fsdp2_is_left_empty(tmp_path: Path) -> None:
+    torch.save({"0.weight": torch.arange(4.0).reshape(4, 1)}, tmp_path / "full.pt")
+    spawn(check_load_into_empty_tp_shard, 4, str(tmp_path / "full.pt"))
