@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lazyckpt.index import contiguous_strides
+from lazyckpt.layout import named_mesh_dims
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.options import ModelCheckpointLoadOptions
 
@@ -23,7 +24,7 @@ class Deliverer:
         if self.mesh is not None:
             self.layout = options.target_layout()
             names = tuple(self.mesh.mesh_dim_names or ())
-            self.dims = _mesh_dims(names)
+            self.dims = named_mesh_dims(names)
 
     def deliver(self, plan: TensorPlan, tensor: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
@@ -47,14 +48,6 @@ class Deliverer:
             shape=shape,
             stride=contiguous_strides(tuple(shape)),
         )
-
-
-def _mesh_dims(names: tuple[str, ...]) -> tuple[int | None, int | None]:
-    from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES
-
-    tp = next((names.index(n) for n in TP_DIM_NAMES if n in names), None)
-    dp = next((names.index(n) for n in DP_DIM_NAMES if n in names), None)
-    return tp, dp
 
 
 def placements_for(

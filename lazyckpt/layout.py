@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -9,12 +10,20 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DP_DIM_NAMES", "TP_DIM_NAMES", "Layout"]
+__all__ = ["DP_DIM_NAMES", "TP_DIM_NAMES", "Layout", "named_mesh_dims"]
 
 DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel")
 """Mesh dim names taken for FSDP's dim, in this order of preference."""
 TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
 """Mesh dim names taken for the TP dim."""
+
+
+def named_mesh_dims(names: Sequence[str]) -> tuple[int | None, int | None]:
+    """The indices of a mesh's TP and FSDP dims among its dim ``names``, found by the names
+    above (None where no name says so)."""
+    tp = next((names.index(n) for n in TP_DIM_NAMES if n in names), None)
+    dp = next((names.index(n) for n in DP_DIM_NAMES if n in names), None)
+    return tp, dp
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,7 @@ class Layout:
         """
         names = tuple(mesh.mesh_dim_names or ())
         if tp_dim is None and dp_dim is None:
-            tp_dim = next((n for n in TP_DIM_NAMES if n in names), None)
-            dp_dim = next((n for n in DP_DIM_NAMES if n in names), None)
+            tp_dim, dp_dim = named_mesh_dims(names)
             if tp_dim is None and dp_dim is None:
                 raise ValueError(
                     f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "

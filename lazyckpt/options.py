@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyckpt.imported import is_device_mesh
-from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES, Layout
+from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES, Layout, named_mesh_dims
 from lazyckpt.stats import LoadStats
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class ModelCheckpointLoadOptions:
     def target_layout(self) -> Layout:
         if self.mesh is not None:
             names = tuple(self.mesh.mesh_dim_names or ())
-            if not any(n in names for n in (*TP_DIM_NAMES, *DP_DIM_NAMES)):
+            if named_mesh_dims(names) == (None, None):
                 # Layout.from_mesh's own fix (tp_dim=/dp_dim=) cannot be passed through options,
                 # and the DTensors yielded need the names too.
                 raise ValueError(

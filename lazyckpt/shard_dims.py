@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from lazyckpt.imported import fsdp_module_class, is_dtensor
-from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES
+from lazyckpt.layout import named_mesh_dims
 
 __all__ = ["get_shard_dims"]
 
@@ -62,9 +62,9 @@ def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
     assert isinstance(param, DTensor)  # is_dtensor said so; this narrows the type
     mesh = param.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
-    tp_index = next((names.index(n) for n in TP_DIM_NAMES if n in names), None)
+    tp_index, dp_index = named_mesh_dims(names)
     if tp_index is None:
-        if any(n in names for n in DP_DIM_NAMES) or (mesh.ndim == 1 and fsdp):
+        if dp_index is not None or (mesh.ndim == 1 and fsdp):
             return None  # a data-parallel mesh only
         if mesh.ndim != 1:
             raise ValueError(
