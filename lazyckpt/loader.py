@@ -20,6 +20,7 @@ from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
 from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.gcpause import gc_paused
 from lazyckpt.index import CheckpointIndex, FileStamp, stamped
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
 from lazyckpt.options import (
@@ -125,6 +126,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         """Read metadata only and index every kept key under its target name."""
 
     @final
+    @gc_paused()
     def index(
         self,
         path: str | os.PathLike[str],
@@ -147,6 +149,7 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         return stamped(lambda: self.build_index(p, rules, options))
 
     @final
+    @gc_paused()
     def plan(
         self,
         path: str | os.PathLike[str],

@@ -23,6 +23,7 @@ from lazyckpt import alloc
 from lazyckpt.build import PinnedPool, fill_all
 from lazyckpt.claims import Footprint, footprint, overlap
 from lazyckpt.errors import ModelCheckpointError
+from lazyckpt.gcpause import gc_paused
 from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
@@ -263,6 +264,7 @@ def infer_shard_dim(
     return candidates[0]
 
 
+@gc_paused()
 def load_into(
     model: nn.Module,
     path: str | os.PathLike[str],
