@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lazyckpt import forks
+
 __all__ = ["BufferPool", "empty", "owner"]
 
 _HUGE_PAGE = 2 << 20
@@ -103,6 +105,7 @@ class BufferPool:
         self._free_bytes = 0
         self._leased = 0
         self._lock = threading.RLock()  # a finalizer may run in a thread inside ``empty``
+        forks.renew_lock_in_child(self, threading.RLock)
         self._closed = False
 
     def empty(self, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from lazyckpt import forks
+
 __all__ = ["Claims", "Footprint", "footprint", "overlap"]
 
 
@@ -103,6 +105,7 @@ class Claims:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        forks.renew_lock_in_child(self)
         self._lo: list[int] = []
         self._hi: list[int] = []
         """Views that hold every byte of their span: sorted, disjoint ``[lo, hi)`` ranges,

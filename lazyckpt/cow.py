@@ -24,6 +24,8 @@ import threading
 import weakref
 from collections.abc import Iterable
 
+from lazyckpt import forks
+
 __all__ = ["STREAM_DEFER", "PrivatePages", "private_pages"]
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
@@ -147,6 +149,7 @@ class PrivatePages:
         """Whether a view that went was found written into (the consumer writes in place)."""
         # Reentrant: a callback may run (garbage collection) while this thread is inside.
         self._lock = threading.RLock()
+        forks.renew_lock_in_child(self, threading.RLock)
 
     def watch(self, window: memoryview, start: int, stop: int, probe: int) -> None:
         """Track ``window`` (bytes ``[start, stop)`` of the mapping; ``probe``, a byte of its
@@ -283,9 +286,7 @@ callbacks, and no page was given back from then on."""
 def _after_fork_in_child() -> None:
     # A lock held by another thread of the parent (dropping pages) would stay held here.
     global _PAGEMAP_LOCK
-    _PAGEMAP_LOCK = threading.Lock()
-    for pages in _ACTIVE:
-        pages._lock = threading.RLock()
+    _PAGEMAP_LOCK = threading.Lock()  # each PrivatePages' own lock: see lazyckpt.forks
     # The parent's page map: this process reads its own.
     for fd in _pagemap:
         with contextlib.suppress(OSError):

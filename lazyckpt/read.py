@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from lazyckpt import alloc, cow, readahead, stitch, unmap
+from lazyckpt import alloc, cow, forks, readahead, stitch, unmap
 from lazyckpt.claims import Claims, footprint
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import (
@@ -221,6 +221,7 @@ class Reader:
         # Reentrant: the garbage collector may close a dropped stream's reader on a thread that
         # is inside one of its locked sections (the prefetch worker allocates the most).
         self._lock = threading.RLock()
+        forks.renew_lock_in_child(self, threading.RLock)
         self._local = threading.local()
         self._closed = False
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from lazyckpt import forks
+
 __all__ = ["LoadStats", "byte_bar"]
 
 
@@ -80,6 +82,9 @@ class LoadStats:
     _started: float | None = field(default=None, repr=False, compare=False)
     _before: float = field(default=0.0, repr=False, compare=False)
     """:attr:`seconds` of the loads before the current one."""
+
+    def __post_init__(self) -> None:
+        forks.renew_lock_in_child(self)
 
     def add_read(self, path: str, nbytes: int) -> None:
         with self._lock:

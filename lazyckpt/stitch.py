@@ -25,6 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 
+from lazyckpt import forks
 from lazyckpt.plan import Stitch
 
 __all__ = ["MAX_RUNS", "MIN_BYTES", "PAGE", "available", "build"]
@@ -81,6 +82,7 @@ class _Budget:
         self.limit = _map_limit() if _mmap is not None else 0
         self.live = 0
         self._lock = threading.Lock()
+        forks.renew_lock_in_child(self)
 
     def take(self, n: int) -> bool:
         with self._lock:

@@ -22,6 +22,8 @@ import queue
 import threading
 import weakref
 
+from lazyckpt import forks
+
 __all__ = ["lease", "wait"]
 
 
@@ -30,6 +32,7 @@ class _Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        forks.renew_lock_in_child(self)
         self._queue: queue.SimpleQueue[object] | None = None
 
     def drop(self, holder: list[object]) -> None:
@@ -59,7 +62,8 @@ class _Reaper:
         return q
 
     def forget(self) -> None:
-        """In a forked child: the thread did not come along; start a new one when needed."""
+        """In a forked child: the thread did not come along; start a new one when needed (its
+        lock is new there too: see :mod:`lazyckpt.forks`)."""
         self._queue = None
 
 

@@ -1,0 +1,47 @@
+"""Locks that a forked child makes anew.
+
+``fork()`` copies the process with one thread, the one that forked, and every lock as it was.
+A lock that another thread held at that moment (the prefetch worker inside the reader, the
+buffer pool or the stats) stays held in the child, where nobody will release it: the child's
+first use of it waits for good. A child that closed a stream it inherited (``gen.close()``, or
+the garbage collector at exit) hung so in 1-2 of ~450 forks made in the middle of a stream.
+
+Objects whose lock a child may need register here, and in the child each gets a new lock. What
+the lock guarded is as the parent left it: Python's own operations (a dict's, a list's) are
+whole at any instant, and a child only closes what it inherited or starts anew.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["renew_lock_in_child"]
+
+_HOLDERS: dict[int, tuple[weakref.ref[Any], Callable[[], Any]]] = {}
+"""By ``id``: a weak reference to each holder, and what makes its lock. Plain dict operations,
+atomic under the GIL: a weak reference's callback may run on any thread, in any code."""
+
+
+def renew_lock_in_child(holder: object, make: Callable[[], Any] = threading.Lock) -> None:
+    """Give ``holder._lock`` a new lock, from ``make``, in every child forked while it lives."""
+    key = id(holder)
+
+    def forget(_: weakref.ref[Any]) -> None:
+        _HOLDERS.pop(key, None)
+
+    _HOLDERS[key] = (weakref.ref(holder, forget), make)
+
+
+def _after_fork_in_child() -> None:
+    for ref, make in list(_HOLDERS.values()):
+        holder = ref()
+        if holder is not None:
+            holder._lock = make()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
