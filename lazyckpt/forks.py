@@ -21,26 +21,30 @@ from typing import Any
 
 __all__ = ["renew_lock_in_child"]
 
-_HOLDERS: dict[int, tuple[weakref.ref[Any], Callable[[], Any]]] = {}
-"""By ``id``: a weak reference to each holder, and what makes its lock. Plain dict operations,
-atomic under the GIL: a weak reference's callback may run on any thread, in any code."""
+_HOLDERS: dict[int, tuple[weakref.ref[Any], Callable[[], Any], str]] = {}
+"""By ``id``: a weak reference to each holder, what makes its lock, and the attribute that holds
+it. Plain dict operations, atomic under the GIL: a weak reference's callback may run on any
+thread, in any code."""
 
 
-def renew_lock_in_child(holder: object, make: Callable[[], Any] = threading.Lock) -> None:
-    """Give ``holder._lock`` a new lock, from ``make``, in every child forked while it lives."""
+def renew_lock_in_child(
+    holder: object, make: Callable[[], Any] = threading.Lock, attr: str = "_lock"
+) -> None:
+    """Give ``holder`` a new lock (``make()``, in its attribute ``attr``) in every child forked
+    while it lives."""
     key = id(holder)
 
     def forget(_: weakref.ref[Any]) -> None:
         _HOLDERS.pop(key, None)
 
-    _HOLDERS[key] = (weakref.ref(holder, forget), make)
+    _HOLDERS[key] = (weakref.ref(holder, forget), make, attr)
 
 
 def _after_fork_in_child() -> None:
-    for ref, make in list(_HOLDERS.values()):
+    for ref, make, attr in list(_HOLDERS.values()):
         holder = ref()
         if holder is not None:
-            holder._lock = make()
+            setattr(holder, attr, make())
 
 
 if hasattr(os, "register_at_fork"):

@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Generic, TypeVar
 
+from lazyckpt import forks
+
 __all__ = ["prefetched"]
 
 T = TypeVar("T")
@@ -38,12 +40,17 @@ class _Slot(Generic[R]):
         self.watched = False
 
 
+def _condition() -> threading.Condition:
+    return threading.Condition(threading.RLock())
+
+
 class _State:
     """Shared by the caller and the worker; every field is read and written under ``cond``."""
 
     def __init__(self) -> None:
         # Reentrant: a buffer's finalizer may run in a thread that already holds the lock.
-        self.cond = threading.Condition(threading.RLock())
+        self.cond = _condition()
+        forks.renew_lock_in_child(self, _condition, "cond")  # a child may free a built tensor
         self.ahead = 0
         """Bytes of items the worker built that the caller has not taken."""
         self.live = 0

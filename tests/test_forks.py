@@ -17,18 +17,19 @@ import torch
 from safetensors.torch import save_file
 
 import lazyckpt
-from lazyckpt import alloc, claims, cow, read, stitch, unmap
+from lazyckpt import alloc, claims, cow, prefetch, read, stitch, unmap
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 
 
-def _fork_while_held(holder: Any, use: Callable[[], object]) -> int:
-    """Fork while a thread holds ``holder._lock``; the child runs ``use()`` (exit 0), or is
-    killed by an alarm if it waits on the lock. The child's exit code (negative: a signal)."""
+def _fork_while_held(holder: Any, use: Callable[[], object], attr: str = "_lock") -> int:
+    """Fork while a thread holds ``holder``'s lock (``attr``); the child runs ``use()`` (exit
+    0), or is killed by an alarm if it waits on the lock. The child's exit code (negative: a
+    signal)."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with holder._lock:
+        with getattr(holder, attr):
             held.set()
             release.wait()
 
@@ -89,6 +90,12 @@ def test_private_pages_of_a_mapping(tmp_path: Path) -> None:
 def test_the_unmapping_thread() -> None:
     reaper = unmap._reaper
     assert _fork_while_held(reaper, unmap.wait) == 0
+
+
+def test_prefetch_state() -> None:
+    # A child that frees a tensor the parent's prefetch worker built gives its bytes back here.
+    state = prefetch._State()
+    assert _fork_while_held(state, lambda: state.release(1), "cond") == 0
 
 
 def test_stitched_view_budget() -> None:
