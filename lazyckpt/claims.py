@@ -111,7 +111,14 @@ class Claims:
         """Views that hold every byte of their span: sorted, disjoint ``[lo, hi)`` ranges,
         merged where they touch (views are mostly made in file order: one range grows)."""
         self._windows: list[Footprint] = []
-        """Views that hold a window of each row."""
+        """Views that hold a window of each row, sorted by their start."""
+        self._window_starts: list[int] = []
+        """Their starts, for ``bisect``."""
+        self._window_span = 0
+        """The longest span among them: a window that starts this far before a footprint, or
+        further, ends before it. A check looks only at the windows in between (a stream of
+        many small keys made it a scan of all of them per copy: 15,400 keys of a DCP save took
+        8.6 million comparisons)."""
         self._windows_stop = 0
         """The furthest byte any of :attr:`_windows` spans."""
         self._noted: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
@@ -147,7 +154,10 @@ class Claims:
                     return False
                 j += 1
         if fp.start < self._windows_stop:
-            return not any(overlap(fp, w) for w in self._windows)
+            starts, windows = self._window_starts, self._windows
+            j = bisect.bisect_left(starts, fp.stop)  # windows from j on start past it
+            first = bisect.bisect_right(starts, fp.start - self._window_span)
+            return not any(overlap(fp, windows[i]) for i in range(first, j))
         return True
 
     def claim(
@@ -179,7 +189,15 @@ class Claims:
         if fp.start == fp.stop:
             return
         if fp.period:
-            self._windows.append(fp)
+            starts = self._window_starts
+            if not starts or fp.start >= starts[-1]:  # made in file order: the usual case
+                starts.append(fp.start)
+                self._windows.append(fp)
+            else:
+                j = bisect.bisect_right(starts, fp.start)
+                starts.insert(j, fp.start)
+                self._windows.insert(j, fp)
+            self._window_span = max(self._window_span, fp.stop - fp.start)
             self._windows_stop = max(self._windows_stop, fp.stop)
             return
         lo, hi = self._lo, self._hi

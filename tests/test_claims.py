@@ -135,3 +135,44 @@ def test_an_interrupt_while_noted_views_are_worked_out_loses_none(monkeypatch) -
     assert not claims.clean(Footprint(400, 800))
     with claims.copying([Footprint(600, 700)]) as ok:
         assert not ok
+
+
+@st.composite
+def boxes_of_many_matrices(draw: st.DrawFn) -> list[tuple[int, int, int, tuple[int, int, int, int]]]:
+    """Boxes of several row-major matrices at different places of one file (some of them
+    overlapping), in any order: ``(base, cols, itemsize, box)``. One row length for all, as
+    windows of different periods whose spans meet are taken to overlap (see ``overlap``)."""
+    out = []
+    cols, itemsize = draw(st.integers(1, 8)), draw(st.sampled_from([1, 2, 4]))
+    for _ in range(draw(st.integers(2, 12))):
+        base = draw(st.integers(0, 400))
+        rows = draw(st.integers(1, 5))
+        r0 = draw(st.integers(0, rows - 1))
+        c0 = draw(st.integers(0, cols - 1))
+        box = (r0, draw(st.integers(r0 + 1, rows)), c0, draw(st.integers(c0 + 1, cols)))
+        out.append((base, cols, itemsize, box))
+    return out
+
+
+@given(boxes_of_many_matrices(), st.lists(st.booleans(), min_size=12, max_size=12))
+def test_views_of_many_tensors_anywhere_are_checked_against_every_one_they_may_touch(
+    drawn, copy_first
+) -> None:
+    # Windows (column slices) are looked up by where they start and the longest one's span,
+    # not scanned: made out of file order, long beside short, the answers are the byte sets'.
+    claims = Claims()
+    held: set[int] = set()
+    for (base, cols, itemsize, box), copy in zip(drawn, copy_first):
+        fp, mine, piece = _box(base, cols, itemsize, box)
+        free = held.isdisjoint(mine)
+        assert claims.clean(fp) == free
+        if copy:
+            with claims.copying([fp]) as ok:
+                assert ok == free
+            continue
+        assert claims.claim(*piece) == free
+        if free:
+            held |= mine
+    for base, cols, itemsize, box in drawn:
+        fp, mine, _ = _box(base, cols, itemsize, box)
+        assert claims.clean(fp) == held.isdisjoint(mine)
