@@ -357,7 +357,7 @@ _CENTRAL_CRC = 16
 """Where a central directory record holds its CRC-32."""
 _CENTRAL_NAME = _CENTRAL.size
 """Where a central directory record's name starts."""
-_MAX_SHAPE_BYTES = 1 << 20
+_MAX_SHAPE_BYTES = 64 << 20
 """Most bytes a :class:`ZipShape` keeps (the pickle and the directory of a rank file of a
 65B-class model are about 150 KB)."""
 

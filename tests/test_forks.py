@@ -111,7 +111,7 @@ def test_stitched_view_budget() -> None:
 def test_a_stream_forked_mid_load_can_be_closed_in_the_child(tmp_path: Path) -> None:
     # The whole path: the child closes the stream it inherited (its reader, buffer pool and
     # prefetch state), while the parent finishes it.
-    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
+    sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
     save_file(sd, tmp_path / "m.safetensors")
     options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
     stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)

@@ -108,7 +108,9 @@ def test_errors_arrive_at_their_item_and_inline_items_keep_their_place() -> None
 
 
 def test_lazy_load_with_and_without_prefetch_agree(tmp_path: Path) -> None:
-    sd = {f"layer{i}": torch.randn(300 + i, 96) for i in range(12)}
+    # Over lazyckpt.loader._WORKER_MIN_BYTES a tensor (TP-2: 300 KiB and more), so that the
+    # copies are built on the worker; smaller keys are built by the caller.
+    sd = {f"layer{i}": torch.randn(300 + i, 512) for i in range(12)}
     save_file(sd, tmp_path / "m.safetensors")
     results = []
     for budget in (0, 64 * 1024, 32 * MB):
@@ -183,7 +185,7 @@ def test_a_stream_continued_in_a_forked_child_raises_instead_of_waiting_for_good
     # for good. The parent's stream goes on.
     import os
 
-    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
+    sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
     save_file(sd, tmp_path / "m.safetensors")
     options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
     stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
@@ -202,3 +204,21 @@ def test_a_stream_continued_in_a_forked_child_raises_instead_of_waiting_for_good
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert all(torch.equal(got[k], sd[k].half()) for k in sd)
+
+
+@pytest.mark.parametrize(("rows", "worker"), [(16, False), (1024, True)])
+def test_only_keys_of_many_bytes_are_built_on_the_worker(
+    tmp_path: Path, rows: int, worker: bool
+) -> None:
+    # A small key's build is Python more than copying: on the worker it took the GIL from the
+    # consumer at each of its torch calls (many-key checkpoints ran several times slower).
+    sd = {f"w{i}": torch.randn(rows, 256) for i in range(6)}  # 16 KiB or 1 MiB a key
+    save_file(sd, tmp_path / "m.safetensors")
+    # Copies, not views; a budget of two keys ahead keeps a worker waiting for the consumer.
+    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16, prefetch_bytes=2 << 20)
+    seen = []
+    for key, t in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options):
+        seen.append(any(th.name == "lazyckpt-prefetch" for th in threading.enumerate()))
+        assert torch.equal(t, sd[key].half())
+    assert len(seen) == len(sd)
+    assert any(seen) == worker
