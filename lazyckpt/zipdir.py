@@ -358,8 +358,9 @@ _CENTRAL_CRC = 16
 _CENTRAL_NAME = _CENTRAL.size
 """Where a central directory record's name starts."""
 _MAX_SHAPE_BYTES = 64 << 20
-"""Most bytes a :class:`ZipShape` keeps (the pickle and the directory of a rank file of a
-65B-class model are about 150 KB)."""
+"""Most bytes a :class:`ZipShape` keeps: the pickle and the directory of a rank file of a
+65B-class model are about 150 KB, of one holding 15,400 MoE expert keys 4.5 MB (parsing each
+such file again cost twice as long as recognising it)."""
 
 
 _MERGE_GAP = 8 << 10
