@@ -140,15 +140,18 @@ def test_every_torch_layout_is_found_by_its_pickled_name() -> None:
         assert layout_by_name(str(layout)) is layout is _get_layout(str(layout))
 
 
-def test_a_broken_torch_distributed_import_is_not_blamed_on_the_file(
+def test_a_dcp_folder_is_read_without_importing_torch_distributed_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The metadata classes were imported by the unpickler, whose every error was reported as
-    # "the file is damaged": so was an import that failed (a first import interrupted by
-    # Ctrl-C leaves modules half made, and every later load said so of a healthy folder).
+    # The metadata's classes were imported to unpickle it: 0.9 s of a fresh process, and an
+    # import broken there (a first import interrupted by Ctrl-C leaves modules half made) was
+    # reported as a damaged file. They are read as records of their fields now: with the
+    # package unimportable, the folder loads and gives torch's own tensors.
     import sys
 
-    dcp.save({"w": torch.randn(4, 4)}, checkpoint_id=tmp_path / "ck", no_dist=True)
-    monkeypatch.setitem(sys.modules, "torch.distributed.checkpoint.metadata", None)
-    with pytest.raises(ImportError, match=r"torch\.distributed\.checkpoint\.metadata"):
-        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "ck", {})
+    sd = {"w": torch.randn(4, 4), "b": torch.randn(3)}
+    dcp.save(sd, checkpoint_id=tmp_path / "ck", no_dist=True)
+    for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.metadata"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "ck", {}))
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)

@@ -40,19 +40,85 @@ __all__ = ["DcpCheckpointLoader", "read_dcp_metadata"]
 METADATA = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30
 
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+class _Record:
+    """A DCP metadata object as its pickle gives it: its fields as attributes, read without
+    importing ``torch.distributed.checkpoint`` (0.9 s of a fresh process here, more than the
+    rest of a load of a small checkpoint; ``dcp.load``'s callers have paid it, lazyckpt's need
+    not). A field the pickle leaves out (``_StorageInfo`` drops those that are None) reads as
+    None. The classes stand for torch's of the same name; nothing else is ever built."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots), as pickle writes
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise TypeError(f"a {type(self).__name__[1:]} with state {state!r}")
+        self.__dict__.update(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and friends probing for protocols
+            raise AttributeError(name)
+        return None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"{type(self).__name__[1:]}({fields})"
+
+
+class _Metadata(_Record):
+    pass
+
+
+class _TensorStorageMetadata(_Record):
+    pass
+
+
+class _BytesStorageMetadata(_Record):
+    pass
+
+
+class _ChunkStorageMetadata(_Record):
+    pass
+
+
+class _MetadataIndex(_Record):
+    pass
+
+
+class _StorageMeta(_Record):
+    pass
+
+
+class _StorageInfo(_Record):
+    pass
+
+
+class _TensorProperties(_Record):
+    def __setstate__(self, state: Any) -> None:
+        # torch writes (dtype, layout, requires_grad, memory format's code, pin_memory).
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype, self.layout, self.requires_grad, _, self.pin_memory = state
+            return
+        super().__setstate__(state)
+
+
+def _memory_format_code(value: Any) -> Any:
+    """``_MEM_FORMAT_ENCODING(code)``: the code itself (the field is deprecated and unused)."""
+    return value
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES: dict[tuple[str, str], Any] = {
+    (_METADATA_MODULE, "Metadata"): _Metadata,
+    (_METADATA_MODULE, "TensorStorageMetadata"): _TensorStorageMetadata,
+    (_METADATA_MODULE, "BytesStorageMetadata"): _BytesStorageMetadata,
+    (_METADATA_MODULE, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+    (_METADATA_MODULE, "TensorProperties"): _TensorProperties,
+    (_METADATA_MODULE, "MetadataIndex"): _MetadataIndex,
+    (_METADATA_MODULE, "StorageMeta"): _StorageMeta,
+    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format_code,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -62,8 +128,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._restrict = restrict
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_CLASSES:
-            return super().find_class(module, name)
+        found = _DCP_CLASSES.get((module, name))
+        if found is not None:
+            return found
         if module == "torch.serialization" and name == "_get_layout":
             return layout_by_name
         if module == "pathlib" and name in (
@@ -88,7 +155,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
-    """The ``Metadata`` object of a DCP ``.metadata`` file, unpickled with an allow-list."""
+    """The ``Metadata`` of a DCP ``.metadata`` file, unpickled with an allow-list: an object
+    with the same fields as torch's, but not of its class (see :class:`_Record`)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -96,11 +164,6 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
     if size > _MAX_METADATA_BYTES:
         raise CorruptModelCheckpointError(path, f"is {size} bytes, too large for DCP metadata")
     data = path.read_bytes()
-    # Imported before unpickling, not by it: an import that fails (an environment broken, or a
-    # first import interrupted by Ctrl-C, which leaves modules half made) is not the file's
-    # fault, and was reported as "the file is damaged".
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         meta = _MetadataUnpickler(data, path, restrict).load()
     except CorruptModelCheckpointError:
@@ -109,7 +172,7 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
         raise CorruptModelCheckpointError(
             path, f"cannot be unpickled ({type(exc).__name__}: {exc}); the file is damaged"
         ) from None
-    if not isinstance(meta, Metadata):
+    if not isinstance(meta, _Metadata):
         raise CorruptModelCheckpointError(path, f"holds a {type(meta).__name__}, not DCP Metadata")
     return meta
 
@@ -193,11 +256,6 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         folder = path.parent if path.is_file() else path
         meta_path = folder / METADATA
         meta = read_dcp_metadata(meta_path, restrict=options.restrict)
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            TensorStorageMetadata,
-        )
-
         tensors = meta.state_dict_metadata
         storage = meta.storage_data
         if not isinstance(tensors, dict) or not isinstance(storage, dict):
@@ -215,7 +273,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
-        pickled = [fqn for fqn, md in tensors.items() if isinstance(md, BytesStorageMetadata)]
+        pickled = [fqn for fqn, md in tensors.items() if isinstance(md, _BytesStorageMetadata)]
         if pickled and len(pickled) == len(tensors):
             shown = ", ".join(repr(f) for f in pickled[:5]) + (" ..." if len(pickled) > 5 else "")
             raise CorruptModelCheckpointError(
@@ -227,7 +285,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
                 "dcp_to_torch_save and load the file it writes",
             )
         for fqn, md in tensors.items():
-            if isinstance(md, BytesStorageMetadata):
+            if isinstance(md, _BytesStorageMetadata):
                 notes.append(
                     f"skipped {fqn!r}: a pickled object, not a tensor (a nested state dict saved "
                     "with flatten_state_dict=False is one)"
@@ -236,7 +294,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             target = rules.target(fqn) if isinstance(fqn, str) else None
             if target is None:
                 continue
-            if not isinstance(md, TensorStorageMetadata):
+            if not isinstance(md, _TensorStorageMetadata):
                 raise CorruptModelCheckpointError(
                     meta_path, f"key {fqn!r} has metadata of type {type(md).__name__}", key=fqn
                 )
