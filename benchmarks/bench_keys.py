@@ -9,7 +9,9 @@ bf16, 4 KiB), so the time is what a loader spends per key: metadata, planning, b
 the consumer (``_ckpt.touch``). The same weights are written as Hugging Face safetensors (4
 files), Meta's fairscale MP-8 (expert matrices split on dim 0 or 1, norms replicated) and a DCP
 folder; each row loads the ``unsharded`` or ``tp2-r0`` target (DESIGN.md's ``torch.chunk``) in a
-fresh process forked from a server that has imported everything, with the page cache warm.
+fresh process forked from a server that has imported torch, safetensors and lazyckpt, with the
+page cache warm (``dcp.load``'s row imports ``torch.distributed.checkpoint`` before its clock
+starts; lazyckpt does not import it).
 Printed: milliseconds (best and median), microseconds per key, and lazyckpt over the fastest
 baseline of the same source. Every row's checksum is compared with ``torch.chunk`` of the
 weights in memory.
