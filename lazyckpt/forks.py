@@ -4,7 +4,8 @@
 A lock that another thread held at that moment (the prefetch worker inside the reader, the
 buffer pool or the stats) stays held in the child, where nobody will release it: the child's
 first use of it waits for good. A child that closed a stream it inherited (``gen.close()``, or
-the garbage collector at exit) hung so in 1-2 of ~450 forks made in the middle of a stream.
+the garbage collector at exit) hung so in 1-2 of ~450 forks made in the middle of a stream (an
+earlier session's test; the tests here hold each lock across the fork instead).
 
 Objects whose lock a child may need register here, and in the child each gets a new lock. What
 the lock guarded is as the parent left it: Python's own operations (a dict's, a list's) are
