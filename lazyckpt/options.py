@@ -66,7 +66,8 @@ class ModelCheckpointLoadOptions:
     ahead when none is waiting, so the loader holds at most the largest tensor plus this budget.
     Within that same bound, the memory of tensors the caller has freed is kept and reused for
     the next ones (the kernel then need not zero new pages). Zero-copy views cost nothing and
-    are not prefetched. 0 turns prefetching off."""
+    are not prefetched, nor are copies of less than 256 KiB (building one is Python more than
+    copying, which on the thread would take the GIL from the caller). 0 turns prefetching off."""
     verify_replicas: bool = True
     """For model-parallel sources, compare the copies of a replicated key (up to
     ``verify_replicas_max_bytes``) among the files this rank reads anyway."""
