@@ -233,3 +233,31 @@ needs_openmp = pytest.mark.skipif(
     reason="needs Linux, torch built with OpenMP and at least two intra-op threads",
 )
 """For ``lazyckpt.threads``: per-thread OpenMP settings, with more than one thread to cut."""
+
+
+def fork_mid_stream(tmp_path: Path, child: Callable[[Iterator[tuple[str, torch.Tensor]]], int]) -> int:
+    """Fork in the middle of a stream whose copies the prefetch worker builds (8 keys of 512
+    KiB cast to float16) and run ``child(stream)`` in the child, which exits with its result (1
+    if it raises; killed by an alarm after 30 s if it hangs). The parent finishes the stream,
+    checks every tensor against the file's, and returns the child's exit code (negative: a
+    signal)."""
+    import os
+    import signal
+
+    sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
+    save_file(sd, tmp_path / "m.safetensors")
+    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
+    got = dict([next(stream)])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        signal.alarm(30)
+        code = 1
+        try:
+            code = child(stream)
+        finally:
+            os._exit(code)
+    got.update(stream)
+    _, status = os.waitpid(pid, 0)
+    assert all(torch.equal(got[k], sd[k].half()) for k in sd)
+    return os.waitstatus_to_exitcode(status)

@@ -8,12 +8,13 @@ import mmap
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import fork_mid_stream
 from safetensors.torch import save_file
 
 import lazyckpt
@@ -111,21 +112,8 @@ def test_stitched_view_budget() -> None:
 def test_a_stream_forked_mid_load_can_be_closed_in_the_child(tmp_path: Path) -> None:
     # The whole path: the child closes the stream it inherited (its reader, buffer pool and
     # prefetch state), while the parent finishes it.
-    sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
-    save_file(sd, tmp_path / "m.safetensors")
-    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
-    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
-    got = dict([next(stream)])
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        signal.alarm(30)
-        code = 1
-        try:
-            stream.close()
-            code = 0
-        finally:
-            os._exit(code)
-    got.update(stream)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert all(torch.equal(got[k], sd[k].half()) for k in sd)
+    def close(stream: Iterator[tuple[str, torch.Tensor]]) -> int:
+        stream.close()  # type: ignore[attr-defined]
+        return 0
+
+    assert fork_mid_stream(tmp_path, close) == 0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import same_bits
+from helpers import fork_mid_stream, same_bits
 from safetensors.torch import save_file
 
 import lazyckpt
@@ -183,27 +184,16 @@ def test_a_stream_continued_in_a_forked_child_raises_instead_of_waiting_for_good
 ) -> None:
     # The prefetch worker does not come along with fork(): the child's next() waited for it
     # for good. The parent's stream goes on.
-    import os
-
-    sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
-    save_file(sd, tmp_path / "m.safetensors")
-    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
-    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
-    got = dict([next(stream)])
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only on the RuntimeError
-        code = 3
+    def go_on(stream: Iterator[tuple[str, torch.Tensor]]) -> int:  # 0 only on the RuntimeError
         try:
             next(stream)
         except RuntimeError as exc:
-            code = 0 if "forked" in str(exc) else 2
+            return 0 if "forked" in str(exc) else 2
         except BaseException:
-            code = 4
-        os._exit(code)
-    got.update(stream)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert all(torch.equal(got[k], sd[k].half()) for k in sd)
+            return 4
+        return 3
+
+    assert fork_mid_stream(tmp_path, go_on) == 0
 
 
 @pytest.mark.parametrize(("rows", "worker"), [(16, False), (1024, True)])
