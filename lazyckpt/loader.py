@@ -254,31 +254,40 @@ def _stream(
             and data it pushes out of the CPU's caches (see benchmarks/HISTORY.md); written
             pages then outlive their view by at most one batch. A key over bytes that a view
             covered (tied keys) is no view: it is copied at its turn, with ``pread`` (see
-            ``lazyckpt.claims``). An error is raised at its key's turn."""
+            ``lazyckpt.claims``). The pages of the batch's views are asked for once the views
+            are made (``Reader.ask_for``: one ``cachestat`` for small keys close together). An
+            error is raised at its key's turn."""
             nonlocal first_batch
             spans = reader.settle_views() or first_batch
             first_batch = False
             nbytes = 0
-            for j in range(i, min(len(plans), i + _AHEAD_KEYS)):
-                if not views[j]:
-                    continue
-                plan = plans[j]
-                piece, entry = plan.pieces[0], plan.entry
-                chunk = entry.copies[plan.copy][piece.chunk]
-                try:
-                    spot = reader.find_view(chunk, entry.dtype, piece, entry.checkpoint_key)
-                    view = None if spot is None else reader.view_at(spot, count=False)
-                except Exception as exc:
-                    found[j] = exc
-                    return
-                if spot is None or view is None:
-                    found[j] = None
-                    nbytes += sizes[j]
-                else:
-                    found[j] = spot, view
-                    nbytes += max(sizes[j], spot.stop - spot.first) if spans else sizes[j]
-                if nbytes >= _AHEAD_BYTES:
-                    return
+            made: list[ViewSpot] = []
+            try:
+                for j in range(i, min(len(plans), i + _AHEAD_KEYS)):
+                    if not views[j]:
+                        continue
+                    plan = plans[j]
+                    piece, entry = plan.pieces[0], plan.entry
+                    chunk = entry.copies[plan.copy][piece.chunk]
+                    try:
+                        spot = reader.find_view(
+                            chunk, entry.dtype, piece, entry.checkpoint_key, ask=False
+                        )
+                        view = None if spot is None else reader.view_at(spot, count=False)
+                    except Exception as exc:
+                        found[j] = exc
+                        return
+                    if spot is None or view is None:
+                        found[j] = None
+                        nbytes += sizes[j]
+                    else:
+                        found[j] = spot, view
+                        made.append(spot)
+                        nbytes += max(sizes[j], spot.stop - spot.first) if spans else sizes[j]
+                    if nbytes >= _AHEAD_BYTES:
+                        return
+            finally:
+                reader.ask_for(made)
 
         def build(i: int) -> tuple[int, torch.Tensor, bool]:
             if views[i]:

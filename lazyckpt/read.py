@@ -357,13 +357,19 @@ class Reader:
         return None if spot is None else self.view_at(spot)
 
     def find_view(
-        self, chunk: Chunk, dtype: torch.dtype, piece: Piece, key: str, *, strided: bool = True
+        self,
+        chunk: Chunk,
+        dtype: torch.dtype,
+        piece: Piece,
+        key: str,
+        *,
+        strided: bool = True,
+        ask: bool = True,
     ) -> ViewSpot | None:
         """Where :meth:`view` would find ``piece``, with its pages asked for if they are not
-        cached (:func:`lazyckpt.readahead.read_ahead`), or None when it cannot be a view. A
-        stream finds the views ahead of the one it hands out: the probes then run back to back
-        (a syscall between the consumer's kernels costs several times more), and a cold load
-        asks for the pages of several pieces at once."""
+        cached (:func:`lazyckpt.readahead.read_ahead`), or None when it cannot be a view.
+        ``ask=False`` leaves the asking to :meth:`ask_for`, which a stream calls once for the
+        views it finds ahead of the one it hands out."""
         sizes = piece.sizes
         if not self.use_mmap or isinstance(chunk.data, torch.Tensor) or 0 in sizes:
             return None
@@ -377,8 +383,29 @@ class Reader:
             return None  # not at an address torch may read as dtype (see copy)
         # The piece's middle run: probed for the page cache here, and for writes when it goes.
         lo, hi = middle_run(first, sizes, strides, itemsize)
-        readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
+        if ask:
+            readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
         return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
+
+    @staticmethod
+    def ask_for(spots: Sequence[ViewSpot]) -> None:
+        """Ask for the pages of views found with ``find_view(..., ask=False)`` that are not
+        cached. The views of one file are first asked about together, with one ``cachestat``
+        over the bytes from the first to the last (:func:`lazyckpt.readahead.all_cached`):
+        warm, that is the only call (one per view cost a stream of small keys 3 us a key);
+        where it finds pages missing, or cannot tell, each view is probed and advised as
+        :meth:`find_view` does."""
+        by_file: dict[int, list[ViewSpot]] = {}
+        for spot in spots:
+            by_file.setdefault(id(spot.file), []).append(spot)
+        for group in by_file.values():
+            f = group[0].file
+            if len(group) > 1 and readahead.all_cached(
+                f.fd, min(s.first for s in group), max(s.stop for s in group)
+            ):
+                continue
+            for s in group:
+                readahead.read_ahead(f.fd, f.size, s.first, s.sizes, s.strides, s.dtype.itemsize)
 
     def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
         """The view :meth:`find_view` found, or None where a view made since covers some of

@@ -4,6 +4,7 @@ the views that are kept."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import subprocess
@@ -418,3 +419,55 @@ def test_copies_from_the_mapping_watch_nothing_views_do(tmp_path: Path) -> None:
         view = reader.view(chunk, torch.float32, Piece(0, (8, 0), (0, 0), (8, 96)), "w")
         assert view is not None and torch.equal(view, full[8:16])
         assert opened.pages is not None
+
+
+@linux
+def test_one_page_map_read_tells_written_pages_as_reads_of_each(tmp_path: Path) -> None:
+    # _written_many reads the page map once for addresses close together: its answers must be
+    # those of a read per address, for pages written, read only, and never touched.
+    import mmap
+
+    from lazyckpt.cow import _ONE_READ_PAGES, _written, _written_many
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * (3 * _ONE_READ_PAGES * page // 256))
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buf = (ctypes.c_char * len(m)).from_buffer(m)
+    try:
+        base = ctypes.addressof(buf)
+        for p in (0, 3, 5, 40):
+            m[p * page + 7] = 1  # a private copy
+        for p in (1, 4, 6):
+            assert m[p * page + 9] == 9  # read: still the file's page
+        near = [base + p * page + 11 for p in (0, 1, 2, 3, 4, 5, 6, 40)]
+        far = [*near, base + 2 * _ONE_READ_PAGES * page + 5]  # past one read: a read each
+        for addresses in (near, far, near[:1], []):
+            got = _written_many(addresses)
+            assert got == [_written(at) for at in addresses]
+        assert _written_many(near) == [True, False, False, True, False, True, False, True]
+    finally:
+        del buf
+        m.close()
+
+
+@linux
+def test_small_views_written_in_place_are_given_back_in_batches(tmp_path: Path) -> None:
+    # 4,096 keys of 16 KiB (64 MiB), each rescaled in place and dropped: the stream checks the
+    # views that went, a batch at a time, with one read of the page map (_written_many), and
+    # gives their pages back. Nothing given back would be the whole 64 MiB.
+    g = torch.Generator().manual_seed(0)
+    full = {f"w{i:04d}": torch.randn(64, 64, generator=g) for i in range(4096)}
+    save_file(full, tmp_path / "m.safetensors")
+    total = sum(t.nbytes for t in full.values())
+    loader = lazyckpt.get_model_checkpoint_loader()
+    gc.collect()
+    base = peak = _rss_anon()
+    for n, (key, t) in enumerate(loader.lazy_load(tmp_path / "m.safetensors", {})):
+        t.mul_(0.5)
+        assert torch.equal(t, full[key] * 0.5)
+        del t
+        if n % 64 == 0:
+            peak = max(peak, _rss_anon())
+    assert peak - base < total // 4, (peak - base) >> 20

@@ -469,3 +469,96 @@ def test_advice_goes_to_uncached_pieces_only(
     # three is enough there; cachestat must see all three.
     assert all(a == wanted for a in cold_answers if a), cold_answers
     assert sum(1 for a in cold_answers if a) >= (3 if how == "cachestat" else 1), cold_answers
+
+
+def test_all_cached_answers_for_the_whole_range_within_its_bound(
+    tmp_path: Path, cold: None
+) -> None:
+    from lazyckpt import readahead
+
+    _needs_cachestat()
+    with _dropped_file(tmp_path / "f.bin", 64 * PAGE) as fd:
+        os.pread(fd, 16 * PAGE, 8 * PAGE)  # pages 8-23
+        assert readahead.all_cached(fd, 8 * PAGE, 24 * PAGE)
+        assert not readahead.all_cached(fd, 8 * PAGE, 25 * PAGE)
+        assert not readahead.all_cached(fd, 0, 9 * PAGE)
+        os.pread(fd, 64 * PAGE, 0)
+        assert readahead.all_cached(fd, 0, 64 * PAGE)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(readahead._BATCH_BYTES + PAGE)
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        os.pread(fd, readahead._BATCH_BYTES + PAGE, 0)  # a hole reads as zero pages, cached
+        assert readahead._all_cached(fd, 0, readahead._BATCH_BYTES + PAGE) is True
+        assert not readahead.all_cached(fd, 0, readahead._BATCH_BYTES + PAGE)  # too long
+    finally:
+        os.close(fd)
+
+
+def _small_keys(path: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    full = {f"k{i:03d}": torch.randn(16, 64, generator=g) for i in range(256)}  # 4 KiB each
+    save_file(full, path)
+    return full
+
+
+def test_a_warm_stream_of_small_views_asks_the_page_cache_once_a_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 256 views of 4 KiB, all cached (just written): one cachestat over each batch of views
+    # ahead, not one a view (3 us a key).
+    from lazyckpt import readahead
+    from lazyckpt.loader import _AHEAD_KEYS
+
+    _needs_cachestat()
+    path = tmp_path / "m.safetensors"
+    full = _small_keys(path)
+    calls: list[tuple[int, int]] = []
+    real = readahead._all_cached
+
+    def counting(fd: int, start: int, stop: int) -> bool | None:
+        calls.append((start, stop))
+        return real(fd, start, stop)
+
+    monkeypatch.setattr(readahead, "_all_cached", counting)
+    got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(path, {}))
+    assert all(torch.equal(got[k], v) for k, v in full.items())
+    assert len(calls) <= -(-len(full) // _AHEAD_KEYS) + 1, len(calls)
+
+
+def test_a_cold_stream_of_small_views_asks_for_each_views_pages(
+    tmp_path: Path, cold: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same keys dropped from the page cache, FSDP rank 1 of 4 (rows 4-7 of each, one page):
+    # the batch's one question finds pages missing, and each view's pages are asked for, as
+    # the views of large keys are. Recorded, then given to the kernel.
+    from lazyckpt import readahead
+
+    _needs_cachestat()
+    path = tmp_path / "m.safetensors"
+    full = _small_keys(path)
+    layout = lazyckpt.Layout(dp_size=4, dp_rank=1)
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((offset, offset + length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    monkeypatch.setattr(readahead.os, "posix_fadvise", recording)
+    _drop([path])
+    options = lazyckpt.ModelCheckpointLoadOptions(layout=layout)
+    got = {k: t.clone() for k, t in lazyckpt.get_model_checkpoint_loader().lazy_load(path, {}, options)}
+    assert_layout_matches(got, full, {}, layout)
+    header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    pages = set()
+    for i in range(len(full)):  # each key's rows 4-7: bytes [1024, 2048) of its 4 KiB
+        start = header + i * 4096 + 1024
+        pages.update(range(start // PAGE, (start + 1023) // PAGE + 1))
+    pages -= set(range(header // PAGE + 1))  # the header's pages: read by the index, cached
+    asked = {p for a, b in advised for p in range(a // PAGE, -(-b // PAGE))}
+    assert pages <= asked, sorted(pages - asked)[:5]
+    assert len(asked) <= 2 * len(pages), (len(asked), len(pages))
