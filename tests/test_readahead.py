@@ -428,6 +428,21 @@ def test_every_page_of_a_short_run_is_asked_about(tmp_path: Path, cold: None) ->
         assert readahead._all_cached(fd, PAGE, 6 * PAGE) is True  # advised: all asked for
 
 
+def _recording_willneed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every ``POSIX_FADV_WILLNEED`` given from now on, as ``(start, stop)`` byte ranges; the
+    advice still goes to the kernel."""
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((offset, offset + length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    return advised
+
+
 @pytest.mark.parametrize("how", ["cachestat", "probe"])
 def test_advice_goes_to_uncached_pieces_only(
     tmp_path: Path, cold: None, monkeypatch: pytest.MonkeyPatch, how: str
@@ -443,15 +458,7 @@ def test_advice_goes_to_uncached_pieces_only(
         if not readahead._NOWAIT:
             pytest.skip("no RWF_NOWAIT here")
         monkeypatch.setattr(readahead, "_syscall", None)
-    advised: list[tuple[int, int]] = []
-    real = os.posix_fadvise
-
-    def recording(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((offset, offset + length))
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", recording)
+    advised = _recording_willneed(monkeypatch)
     rows = 64
     wanted = [(r * 4 * PAGE + PAGE, r * 4 * PAGE + 2 * PAGE) for r in range(rows)]
     cold_answers = []
@@ -533,22 +540,11 @@ def test_a_cold_stream_of_small_views_asks_for_each_views_pages(
     # The same keys dropped from the page cache, FSDP rank 1 of 4 (rows 4-7 of each, one page):
     # the batch's one question finds pages missing, and each view's pages are asked for, as
     # the views of large keys are. Recorded, then given to the kernel.
-    from lazyckpt import readahead
-
     _needs_cachestat()
     path = tmp_path / "m.safetensors"
     full = _small_keys(path)
     layout = lazyckpt.Layout(dp_size=4, dp_rank=1)
-    advised: list[tuple[int, int]] = []
-    real = os.posix_fadvise
-
-    def recording(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((offset, offset + length))
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", recording)
-    monkeypatch.setattr(readahead.os, "posix_fadvise", recording)
+    advised = _recording_willneed(monkeypatch)
     _drop([path])
     options = lazyckpt.ModelCheckpointLoadOptions(layout=layout)
     got = {k: t.clone() for k, t in lazyckpt.get_model_checkpoint_loader().lazy_load(path, {}, options)}
