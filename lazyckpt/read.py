@@ -172,11 +172,18 @@ class ViewSpot(NamedTuple):
     """Byte offset of the first element."""
     elements: int
     """Elements from the first to the last, inclusive."""
-    probe: int
-    """A byte of the view's middle run (checked for writes when the view goes)."""
+    middle: tuple[int, int]
+    """The bytes of the view's middle run (:func:`lazyckpt.plan.middle_run`): what is probed
+    for the page cache, and, at :attr:`probe`, for writes when the view goes."""
     dtype: torch.dtype
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
+
+    @property
+    def probe(self) -> int:
+        """A byte of the middle run, checked for writes when the view goes."""
+        lo, hi = self.middle
+        return (lo + hi) // 2
 
     @property
     def stop(self) -> int:
@@ -385,7 +392,7 @@ class Reader:
         lo, hi = middle_run(first, sizes, strides, itemsize)
         if ask:
             readahead.read_ahead(f.fd, f.size, first, sizes, strides, itemsize, middle=(lo, hi))
-        return ViewSpot(f, first, count, (lo + hi) // 2, dtype, sizes, strides)
+        return ViewSpot(f, first, count, (lo, hi), dtype, sizes, strides)
 
     @staticmethod
     def ask_for(spots: Sequence[ViewSpot]) -> None:
@@ -405,7 +412,10 @@ class Reader:
             ):
                 continue
             for s in group:
-                readahead.read_ahead(f.fd, f.size, s.first, s.sizes, s.strides, s.dtype.itemsize)
+                itemsize = s.dtype.itemsize
+                readahead.read_ahead(
+                    f.fd, f.size, s.first, s.sizes, s.strides, itemsize, middle=s.middle
+                )
 
     def view_at(self, spot: ViewSpot, *, count: bool = True) -> torch.Tensor | None:
         """The view :meth:`find_view` found, or None where a view made since covers some of
