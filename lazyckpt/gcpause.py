@@ -4,9 +4,17 @@ Indexing and planning build tens of small objects per key (header dicts, entries
 plans), none of them in a cycle. Every 700 of them the collector runs, and every so often it
 walks every object the process holds, torch's modules and the caller's model included: for a
 15,400-key safetensors folder (an MoE model's experts) two or three such walks took 180-260 ms
-of a 350 ms plan. With the collector paused, the objects are looked at once, when it next runs
-after the pause. Nothing is lost: what is freed by reference counting is freed at once, and
-any cycle made meanwhile is collected then.
+of a 350 ms plan. With the collector paused, nothing walks them while they are made. Nothing is lost: what
+is freed by reference counting is freed at once, and a cycle made meanwhile is collected later.
+
+A pause that made many objects (``_PROMOTE_MIN``) ends by moving the young ones to the oldest
+generation (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, no walk). Left young,
+they are walked by the next young collection and again by the next middle one: 40-65 ms of a
+950 ms stream of 15,400 keys here, against 5-8 ms promoted. What is promoted with them (the
+caller's young objects: fewer than the collector's thresholds, a few thousand) is collected by
+the next full collection instead of a young one. Where the caller keeps objects frozen
+(``gc.freeze()``, as a fork server does to spare its children copy-on-write faults), nothing is
+promoted, since ``gc.unfreeze()`` would thaw them too.
 """
 
 from __future__ import annotations
@@ -16,6 +24,10 @@ import gc
 from collections.abc import Iterator
 
 __all__ = ["gc_paused"]
+
+_PROMOTE_MIN = 10_000
+"""Objects made in a pause past which its end promotes them: a load of a few hundred keys
+makes fewer, and leaves the collector's generations as they were."""
 
 
 @contextlib.contextmanager
@@ -31,4 +43,8 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        # get_count()[0]: objects made less those freed since the last young collection.
+        if gc.get_count()[0] >= _PROMOTE_MIN and gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()

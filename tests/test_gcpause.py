@@ -5,6 +5,7 @@ stream left early, and off where the caller had turned it off."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from helpers import same_bits, write_checkpoint
 from torch import nn
 
 import lazyckpt
+from lazyckpt.gcpause import _PROMOTE_MIN, gc_paused
+from lazyckpt.load_plan import TensorPlan
 
 
 @pytest.fixture
@@ -101,3 +104,85 @@ def test_a_collector_the_caller_turned_off_stays_off(tmp_path: Path, collector_o
     finally:
         gc.enable()
     assert got.keys() == sd.keys()
+
+
+# -- what a pause that made many objects leaves the collector ----------------------------------
+# Counts are read inside the block: after it, the first tracked allocation past the young
+# threshold (700) runs a young collection, which moves what it finds to the middle generation.
+
+
+def _in_oldest_generation(obj: object) -> bool:
+    return any(o is obj for o in gc.get_objects(generation=2))
+
+
+def test_a_pause_that_made_many_objects_ends_with_them_in_the_oldest_generation(
+    collector_on: None,
+) -> None:
+    """Left young, the next young and middle collections would walk them all again."""
+    gc.collect()
+    with gc_paused():
+        made = [[i] for i in range(_PROMOTE_MIN + 2000)]
+        assert gc.get_count()[0] >= _PROMOTE_MIN
+    assert gc.isenabled()
+    assert _in_oldest_generation(made[0]) and _in_oldest_generation(made[-1])
+
+
+def test_a_small_pause_leaves_the_generations_as_they_were(collector_on: None) -> None:
+    gc.collect()
+    with gc_paused():
+        made = [[i] for i in range(500)]
+    assert gc.get_count()[0] >= 500  # below the young threshold: no collection since
+    assert not _in_oldest_generation(made[0])
+
+
+def test_nothing_the_caller_froze_is_thawed(collector_on: None) -> None:
+    """A fork server freezes its objects so that collections never write to their pages;
+    ``gc.unfreeze()`` at the end of a pause would give them back to the collector."""
+    gc.collect()
+    kept = [[i] for i in range(100)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            made = [[i] for i in range(_PROMOTE_MIN + 2000)]
+        assert gc.get_freeze_count() >= frozen
+        assert not _in_oldest_generation(kept[0])  # still frozen, not back in a generation
+        assert not _in_oldest_generation(made[0])
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cycle_promoted_by_a_pause_is_still_collected(collector_on: None) -> None:
+    gc.collect()
+    freed: list[bool] = []
+
+    class Node:
+        other: Node
+
+    with gc_paused():
+        made = [[i] for i in range(_PROMOTE_MIN + 2000)]
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        weakref.finalize(a, freed.append, True)
+        del a, b
+    assert _in_oldest_generation(made[0])
+    assert not freed  # a cycle waits for the collector
+    gc.collect()
+    assert freed == [True]
+
+
+def test_a_load_of_many_keys_leaves_its_plans_in_the_oldest_generation(
+    tmp_path: Path, collector_on: None
+) -> None:
+    """The stream goes on with the collector on: its young collections walk what the stream
+    makes, not the objects the index and the plans made for every key."""
+    sd = {f"experts.{i}.w": torch.full((2,), float(i)) for i in range(3000)}
+    path = write_checkpoint("safetensors-file", sd, tmp_path / "many")
+    gc.collect()
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})
+    plans = [o for o in gc.get_objects(generation=2) if type(o) is TensorPlan]
+    assert len(plans) >= len(sd)
+    del plans
+    got = dict(stream)
+    assert got.keys() == sd.keys()
+    assert all(same_bits(got[k], sd[k]) for k in sd)
