@@ -4,8 +4,9 @@ Indexing and planning build tens of small objects per key (header dicts, entries
 plans), none of them in a cycle. Every 700 of them the collector runs, and every so often it
 walks every object the process holds, torch's modules and the caller's model included: for a
 15,400-key safetensors folder (an MoE model's experts) two or three such walks took 180-260 ms
-of a 350 ms plan. With the collector paused, nothing walks them while they are made. Nothing is lost: what
-is freed by reference counting is freed at once, and a cycle made meanwhile is collected later.
+of a 350 ms plan. With the collector paused, nothing walks them while they are made. Nothing is
+lost: what is freed by reference counting is freed at once, and a cycle made meanwhile is
+collected later.
 
 A pause that made many objects (``_PROMOTE_MIN``) ends by moving the young ones to the oldest
 generation (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, no walk). Left young,

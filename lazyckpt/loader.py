@@ -1,8 +1,9 @@
 """The loader interface and the one pipeline every format shares.
 
-A format loader only builds a :class:`CheckpointIndex` from metadata. :class:`IndexedCheckpointLoader`
-then validates and plans the whole load eagerly, and streams: for each key, in checkpoint order,
-read the planned pieces into one buffer (or yield a view), cast, move, yield.
+A format loader only builds a :class:`CheckpointIndex` from metadata.
+:class:`IndexedCheckpointLoader` then validates and plans the whole load eagerly, and streams:
+for each key, in checkpoint order, read the planned pieces into one buffer (or yield a view),
+cast, move, yield.
 """
 
 from __future__ import annotations

@@ -144,9 +144,9 @@ def read_ahead(
     They are asked about with one ``cachestat`` call over the run's pages, or one for each of
     the three pages. Without ``cachestat`` the first, middle and last pages are probed with a
     1-byte ``preadv`` that may not wait for the device (``RWF_NOWAIT``): it fails where the page
-    is not cached (and starts reading that one page). Where neither can be asked, nothing is advised: the kernel's own
-    read-ahead is left alone. A warm load pays the probes for every piece (``lazy_load`` makes
-    them back to back for the keys ahead, see ``Reader.find_view``)."""
+    is not cached (and starts reading that one page). Where neither can be asked, nothing is
+    advised: the kernel's own read-ahead is left alone. A warm load pays the probes for every
+    piece (``lazy_load`` makes them back to back for the keys ahead, see ``Reader.find_view``)."""
     start, stop = middle if middle is not None else middle_run(first, sizes, strides, itemsize)
     if stop <= start or not _ADVISE:  # empty, or nothing to advise
         return

@@ -523,8 +523,9 @@ def read_torch_archive(
     ``data.pkl`` already unpickled for another file is not unpickled again (the result is
     shared: treat it as read-only). With ``shapes``, an archive that repeats the checked bytes
     of one read before (see :class:`ShapeMemo`) is recognised from a read per record (records
-    closer than 8 KiB read together) and a few comparisons instead of being parsed again. ``size``: the size of ``fd``, where the caller
-    has it (a reader locating DCP chunks, one per key, stats nothing then)."""
+    closer than 8 KiB read together) and a few comparisons instead of being parsed again.
+    ``size``: the size of ``fd``, where the caller has it (a reader locating DCP chunks, one per
+    key, stats nothing then)."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
