@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = args.dir if args.dir is not None else Path(tempfile.mkdtemp(prefix="lazyckpt-cold-"))
     paths, expected, nbytes = bench_load.checkpoints(root, cfg, args.keep)
-    ctx = bench_load.fork_server()
+    ctx = bench_load.process_context(spawn=False)
     t0 = time.perf_counter()
     try:
         for rep in range(repeats):

@@ -349,14 +349,21 @@ def remove_checkpoints(root: Path, cfg: Any, own_root: bool) -> None:
         _ckpt.remove(root)
 
 
-def fork_server() -> Any:
-    """Fresh processes without paying torch's import each time: a fork server that has
-    imported torch, safetensors and lazyckpt (and started no thread) forks one child per
-    measurement."""
+def process_context(spawn: bool) -> Any:
+    """Where each measurement's fresh process comes from.
+
+    By default a fork server that has imported torch, safetensors and lazyckpt (and started no
+    thread) forks one child per measurement: no import paid per run. With ``spawn`` every run
+    is a new interpreter that imports them itself (2-3 s a run here), as a script run once
+    would: its first load finds its own modules' memory already written by the import, where a
+    fork's first writes to the server's memory are copy-on-write faults, and it finds native
+    code (safetensors' Rust) not yet used (see benchmarks/README.md, "Method")."""
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (here, os.environ.get("PYTHONPATH", "")) if p
     )
+    if spawn:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["_runner"])
     return ctx
@@ -377,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write all figures here")
     ap.add_argument("--only", default="", help="comma-separated substrings: run matching rows")
     ap.add_argument("--sample-ms", type=float, default=1.0, help="RssAnon sampling period")
+    ap.add_argument(
+        "--spawn",
+        action="store_true",
+        help="run each measurement in a new interpreter instead of a fork of a server that\n"
+        "imported everything (2-3 s more per run)",
+    )
     args = ap.parse_args(argv)
     gb = 0.2 if args.quick else args.gb
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -411,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    ctx = fork_server()
+    ctx = process_context(args.spawn)
     specs = []
     for r in rows:
         sc = next(s for s in SCENARIOS if s.name == r["scenario"])
@@ -463,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"checkpoint: Llama-shaped bf16, {cfg}, {nbytes / GB:.3f} GB; best and median of "
-        f"{repeats} run(s), each in a fresh process, warm page cache; CPU capacity "
+        f"{repeats} run(s), each in a fresh process ({'new interpreter' if args.spawn else 'fork'}), "
+        f"warm page cache; CPU capacity "
         f"{capacity[0]} -> {capacity[-1]} cores"
     )
     before = [
@@ -509,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": _ckpt.config_dict(cfg),
             "checkpoint_bytes": nbytes,
             "repeats": repeats,
+            "processes": "spawn" if args.spawn else "forkserver",
             "page_cache_fraction": cached,
             "pmd_mapped_fraction": pmd,
             "cpu_capacity": capacity,
