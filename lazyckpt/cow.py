@@ -92,6 +92,11 @@ _ANON = 1 << 63 | 1 << 61
 """Pagemap bits: present, and file page (clear for a private copy written into)."""
 
 
+def _private_copy(entry: int) -> bool:
+    """Whether a page map entry is a present page that is not a file page: a private copy."""
+    return entry & _ANON == 1 << 63
+
+
 _ONE_READ_PAGES = 512
 """Views that went whose probe pages lie within this many pages are checked with one read of
 the page map (4 KiB of it), not one each: a stream of small keys checks a batch of them."""
@@ -116,8 +121,7 @@ def _written_many(addresses: list[int]) -> list[bool]:
     out = []
     for at in addresses:
         k = (at // page - first) * 8
-        entry = int.from_bytes(entries[k : k + 8], "little")
-        out.append(entry & _ANON == 1 << 63)
+        out.append(_private_copy(int.from_bytes(entries[k : k + 8], "little")))
     return out
 
 
@@ -140,7 +144,7 @@ def _written(at: int) -> bool:
         entry = int.from_bytes(os.pread(_pagemap_fd(), 8, at // mmap.PAGESIZE * 8), "little")
     except (OSError, ValueError):
         return True
-    return entry & _ANON == 1 << 63  # present, and not a file page
+    return _private_copy(entry)
 
 
 class PrivatePages:
