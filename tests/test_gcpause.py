@@ -5,6 +5,10 @@ stream left early, and off where the caller had turned it off."""
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,3 +190,57 @@ def test_a_load_of_many_keys_leaves_its_plans_in_the_oldest_generation(
     got = dict(stream)
     assert got.keys() == sd.keys()
     assert all(same_bits(got[k], sd[k]) for k in sd)
+
+
+# -- other interpreters: CPython 3.12 files immortal objects under the permanent generation ----
+
+_ON_ANOTHER_INTERPRETER = """
+import gc, importlib.util, sys
+spec = importlib.util.spec_from_file_location("gcpause", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+gc.collect()  # on 3.12 this files the immortal objects it meets under the permanent generation
+with m.gc_paused():
+    made = [[i] for i in range(m._PROMOTE_MIN + 2000)]
+assert any(o is made[0] for o in gc.get_objects(2)), ("not promoted", gc.get_freeze_count())
+gc.collect()
+kept = [[i] for i in range(100)]
+gc.freeze()
+with m.gc_paused():
+    more = [[i] for i in range(m._PROMOTE_MIN + 2000)]
+assert not any(o is kept[0] for o in gc.get_objects(2)), "the caller's frozen objects thawed"
+assert not any(o is more[0] for o in gc.get_objects(2)), "promoted past the caller's freeze"
+print("ok", sys.version_info[:2], m._INTERPRETER_FROZEN)
+"""
+
+
+def _other_interpreters() -> list[str]:
+    """CPython 3.12 and later found on this machine (on PATH, or pyenv's), that run."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = [shutil.which(f"python3.{minor}") for minor in range(12, 16)]
+    found += [str(p) for p in sorted(root.glob("3.1[2-9]*/bin/python3"))]
+    usable = {}
+    for exe in filter(None, found):
+        probe = subprocess.run(
+            [exe, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True
+        )
+        if probe.returncode == 0 and probe.stdout.split() != [str(v) for v in sys.version_info[:2]]:
+            usable.setdefault(probe.stdout.strip(), exe)  # one interpreter per version
+    return sorted(usable.values())
+
+
+@pytest.mark.parametrize("python", _other_interpreters() or [None])
+def test_a_pause_promotes_on_other_interpreters(python: str | None) -> None:
+    """The module needs only the standard library, so it runs under any CPython found here: on
+    3.12, whose freeze count is never 0, a check for 0 had turned the promotion off for good."""
+    if python is None:
+        pytest.skip("no other CPython (3.12 or later) on this machine")
+    import lazyckpt.gcpause
+
+    done = subprocess.run(
+        [python, "-c", _ON_ANOTHER_INTERPRETER, lazyckpt.gcpause.__file__],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout
