@@ -76,9 +76,10 @@ def _torch_zip(obj: object) -> bytes:
 
 
 def test_bytes_before_the_archive_are_refused(tmp_path: Path) -> None:
-    # zipfile reads past a prefix by shifting every offset; torch.load refuses it, and so must
-    # we: the prefix may be another archive (two written back to back: zipfile would read the
-    # second, torch the first), or a DCP window may cover the chunk before the one it names.
+    # zipfile (3.11's; later releases refuse some of these) reads past a prefix by shifting
+    # every offset; torch.load refuses it, and so must we: the prefix may be another archive
+    # (two written back to back: zipfile would read the second, torch the first), or a DCP
+    # window may cover the chunk before the one it names.
     first = _torch_zip({"w": torch.zeros(10, dtype=torch.uint8)})
     second = _torch_zip({"w": torch.ones(10, dtype=torch.uint8)})
     assert b"PK\x06\x06" in second[-200:]  # torch writes zip64 end records: they are checked too
@@ -89,7 +90,6 @@ def test_bytes_before_the_archive_are_refused(tmp_path: Path) -> None:
     }.items():
         path = tmp_path / f"{name}.pt"
         path.write_bytes(data)
-        assert zipfile.ZipFile(path).read(zipfile.ZipFile(path).namelist()[-1])  # zipfile reads it
         with pytest.raises(ZipError, match="before the archive"):
             _records(path)
     # A window over both archives of a larger file, as a damaged DCP entry would give.
