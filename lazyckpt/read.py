@@ -100,6 +100,7 @@ class _OpenFile:
             raise
         self.size = st.st_size
         self.stamp = file_stamp(st)
+        self.closed = False
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self._bytes: memoryview | None = None
         self.pages: cow.PrivatePages | None = None
@@ -161,7 +162,9 @@ class _OpenFile:
         # free it.
         self.flats.clear()
         self._map = self._bytes = self.pages = None
-        os.close(self.fd)
+        if not self.closed:  # once: a number closed twice may by then be another file's
+            self.closed = True
+            os.close(self.fd)
 
 
 class ViewSpot(NamedTuple):
@@ -272,9 +275,6 @@ class Reader:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"
                         ) from exc
-                    if self._closed:  # by the garbage collector, on this thread, meanwhile
-                        f.close()
-                        raise RuntimeError(f"{path}: read after the load was closed")
                     indexed = self.stamps.get(path)
                     if indexed is not None and f.stamp != indexed:
                         f.close()
@@ -286,6 +286,14 @@ class Reader:
                             key=key,
                         )
                     self._files[path] = f
+                    # The garbage collector may have closed the reader meanwhile, on this very
+                    # thread (a stream dropped in a reference cycle): from 3.12 it runs at the
+                    # next Python call, and hashing a path is one, even the one that lists
+                    # ``f`` (in the listing close() had already emptied). No other thread can
+                    # close it while this one holds the lock, and closing twice does nothing.
+                    if self._closed:
+                        f.close()
+                        raise RuntimeError(f"{path}: read after the load was closed")
         return f
 
     def _bounce(self, nbytes: int) -> torch.Tensor:

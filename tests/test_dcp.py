@@ -155,3 +155,20 @@ def test_a_dcp_folder_is_read_without_importing_torch_distributed_checkpoint(
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
     got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "ck", {}))
     assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_a_save_written_under_python_3_13_loads(layout: lazyckpt.Layout) -> None:
+    """``tests/data/dcp-python3.13`` was written by ``dcp.save`` (torch 2.13.0) under Python
+    3.13 with a ``Path`` checkpoint id, whose pickle names ``pathlib._local.PosixPath``: every
+    such save was refused as naming a forbidden global. Made with
+    ``dcp.save({"w": torch.arange(24.0).reshape(4, 6), "b": torch.arange(4)},
+    checkpoint_id=Path(...), no_dist=True)``."""
+    folder = Path(__file__).parent / "data" / "dcp-python3.13"
+    assert b"pathlib._local" in (folder / ".metadata").read_bytes()
+    full = {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6), "b": torch.arange(4)}
+    dims = {"w": 1}
+    got = load_all(folder, dims, layout=layout)
+    assert sorted(got) == sorted(full)
+    for key, t in full.items():
+        assert same_bits(got[key], expected(t, dims.get(key), layout)), (key, layout)

@@ -121,6 +121,12 @@ _DCP_CLASSES: dict[tuple[str, str], Any] = {
 }
 
 
+_PATHLIB_MODULES = ("pathlib", "pathlib._local")
+"""Where a pickle finds pathlib's classes: Python 3.13 defines them in ``pathlib._local``, so a
+save whose ``checkpoint_id`` was a ``Path`` names that module when written there."""
+_PATH_CLASSES = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, path: Path, restrict: bool) -> None:
         super().__init__(io.BytesIO(data))
@@ -133,13 +139,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return found
         if module == "torch.serialization" and name == "_get_layout":
             return layout_by_name
-        if module == "pathlib" and name in (
-            "Path",
-            "PosixPath",
-            "WindowsPath",
-            "PurePosixPath",
-            "PureWindowsPath",
-        ):
+        if module in _PATHLIB_MODULES and name in _PATH_CLASSES:
             return getattr(pathlib, name)
         found = restricted_find_class(module, name)
         if found is not None and module in ("torch", "builtins", "collections", "_codecs"):
