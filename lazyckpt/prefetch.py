@@ -127,6 +127,12 @@ def prefetched(
             if watch is not None and slot.error is None:
                 slot.watched = _watch(watch(slot.value), state, size)  # type: ignore[arg-type]
             with cond:
+                if state.stop:
+                    # The stream ended while this was built: closed on this very thread by the
+                    # collector, its ``finally`` has already emptied ``ready`` and will not
+                    # again. Kept there, the slot would keep its tensor (and through its
+                    # finalizer this state), or its error's frames, for good.
+                    return
                 state.ready[i] = slot
                 cond.notify_all()
             if slot.error is not None:

@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -515,11 +517,19 @@ def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
             holder = Holder()
             next(holder.stream)
             del holder
-        gc.collect()
-        from lazyckpt import unmap
-
-        unmap.wait()
     finally:
         gc.set_threshold(*before)
+    # gc.collect() returns at once while a collection runs on another thread (a prefetch
+    # worker's, waiting to join the worker of a stream it closes): collect until none runs.
+    from lazyckpt import unmap
+
+    for _ in range(200):
+        gc.collect()
+        unmap.wait()
+        if not any(t.name == "lazyckpt-prefetch" for t in threading.enumerate()):
+            break
+        time.sleep(0.05)
+    gc.collect()
+    unmap.wait()
     assert unraisable == [], unraisable
     assert _open_under(tmp_path) == 0
