@@ -287,10 +287,11 @@ class Reader:
                         )
                     self._files[path] = f
                     # The garbage collector may have closed the reader meanwhile, on this very
-                    # thread (a stream dropped in a reference cycle): from 3.12 it runs at the
-                    # next Python call, and hashing a path is one, even the one that lists
-                    # ``f`` (in the listing close() had already emptied). No other thread can
-                    # close it while this one holds the lock, and closing twice does nothing.
+                    # thread (a stream dropped in a reference cycle): at an allocation, or from
+                    # 3.12 at the next Python call, and hashing a path is one, even the hash
+                    # that lists ``f`` (then into the listing close() had already taken). No
+                    # other thread can close it while this one holds the lock, and closing
+                    # twice does nothing.
                     if self._closed:
                         f.close()
                         raise RuntimeError(f"{path}: read after the load was closed")
