@@ -100,7 +100,6 @@ class _OpenFile:
             raise
         self.size = st.st_size
         self.stamp = file_stamp(st)
-        self.closed = False
         self._map: ctypes.Array[ctypes.c_char] | None = None
         self._bytes: memoryview | None = None
         self.pages: cow.PrivatePages | None = None
@@ -162,9 +161,11 @@ class _OpenFile:
         # free it.
         self.flats.clear()
         self._map = self._bytes = self.pages = None
-        if not self.closed:  # once: a number closed twice may by then be another file's
-            self.closed = True
-            os.close(self.fd)
+        # Once, and the number forgotten: by then it may be another file's, which a worker
+        # still building for a stream closed under it would read (or close again).
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class ViewSpot(NamedTuple):

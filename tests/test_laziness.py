@@ -491,6 +491,31 @@ def test_a_reader_closed_on_its_own_thread_while_it_opens_a_file_leaks_nothing(
     assert at > 3
 
 
+def test_a_closed_file_reads_nothing_of_the_file_that_took_its_descriptor(tmp_path: Path) -> None:
+    """A worker still building for a stream closed under it reads through the file it holds; the
+    closed file's descriptor number, reused by the next file opened, read that file's bytes."""
+    from lazyckpt.read import Reader, _pread_into
+
+    save_file({"w": torch.zeros(256)}, tmp_path / "m.safetensors")
+    (tmp_path / "other").write_bytes(b"\xff" * 4096)
+    reader = Reader(stamps={})
+    f = reader._open(tmp_path / "m.safetensors", "w")
+    number = f.fd
+    reader.close()
+    other = os.open(tmp_path / "other", os.O_RDONLY)
+    try:
+        if other != number:
+            pytest.skip("the other file did not get the closed file's descriptor number")
+        buf = bytearray(8)
+        with pytest.raises(OSError):
+            _pread_into(f, 0, memoryview(buf), "w")
+        assert buf == bytearray(8)
+        f.close()  # a second close leaves the other file's descriptor open
+        assert os.pread(other, 1, 0) == b"\xff"
+    finally:
+        os.close(other)
+
+
 def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
