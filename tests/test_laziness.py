@@ -478,8 +478,8 @@ def test_a_reader_closed_on_its_own_thread_while_it_opens_a_file_leaks_nothing(
     """The collector closes a stream dropped in a reference cycle on whatever thread allocates,
     and from Python 3.12 it runs at the next Python call: hashing a path, while the reader
     opens a file, is one. A file opened across that close was listed in the closed reader and
-    its descriptor never closed (1 test run in 3 on 3.13). Here the path's ``at``-th hash
-    closes the reader, for every hash that opening the file makes."""
+    its descriptor never closed (seen on 3.13). Here the path's ``at``-th hash closes the
+    reader, for every hash that opening the file makes."""
     save_file({"w": torch.zeros(4)}, tmp_path / "m.safetensors")
     at = 0
     while True:

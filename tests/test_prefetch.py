@@ -218,8 +218,8 @@ def test_an_item_built_after_the_stream_closed_on_the_worker_is_not_kept() -> No
     """The collector may close a stream dropped in a reference cycle on the worker, in the
     middle of a build: the stream's ``finally`` runs there and empties the built items, then
     the build ends. Stored after that, the item stayed for good (its watch's finalizer keeps
-    the prefetcher's state, which kept the item): a tensor, or an error's frames and the files
-    they held (a descriptor left open about 1 run in 12 on Python 3.13)."""
+    the prefetcher's state, which kept the item): a tensor, or an error's frames and what they
+    held."""
     taken = threading.Event()
     stream: dict[str, object] = {}
     late: list[weakref.ref[torch.Tensor]] = []
