@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -352,17 +352,17 @@ class TorchSaveWriter:
         pkl = buf.getvalue()
         self._stream: Any = None
         name = str(path)
-        crc = torch.serialization.get_crc32_options()
         align = _storage_alignment()
         if name.isascii():
-            self._writer: Any = torch._C.PyTorchFileWriter(name, crc, align)
+            self._writer: Any = _file_writer(name)
         else:  # the C++ writer only takes ASCII names; torch.save falls back the same way
             self._stream = open(path, "xb")  # noqa: SIM115 - closed in close()/abort()
-            self._writer = torch._C.PyTorchFileWriter(self._stream, crc, align)
+            self._writer = _file_writer(self._stream)
         with self._failing():
             self._writer.write_record("data.pkl", pkl, len(pkl))
-            self._writer.write_record(".format_version", "1", 1)
-            self._writer.write_record(".storage_alignment", str(align), len(str(align)))
+            if _ALIGNED_RECORDS:
+                self._writer.write_record(".format_version", "1", 1)
+                self._writer.write_record(".storage_alignment", str(align), len(str(align)))
             self._writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
 
     @contextmanager
@@ -413,6 +413,10 @@ class TorchSaveWriter:
                 self._stream.close()
             with open(self.path, "rb+") as f:
                 os.fsync(f.fileno())
+                # torch 2.4's writer ignores a failed write of the directory at the end (rc 0,
+                # a file torch.load cannot open): the file must end with the zip end record.
+                if not _ends_with_end_record(f):
+                    raise RuntimeError("the file ends without its zip end record")
 
     def abort(self) -> None:
         """Drop the writer with its file unfinished (the caller removes the file).
@@ -429,9 +433,38 @@ class TorchSaveWriter:
             self._stream.close()
 
 
+_END_RECORD_BYTES = 22
+"""The zip end-of-central-directory record with no comment: the last bytes torch writes."""
+
+
+def _ends_with_end_record(f: IO[bytes]) -> bool:
+    """Whether the open file ends with a zip end record and no comment, as torch's writer ends
+    every file it finished (a file cut short would have to end in those 4 bytes by chance)."""
+    size = f.seek(0, os.SEEK_END)
+    if size < _END_RECORD_BYTES:
+        return False
+    f.seek(size - _END_RECORD_BYTES)
+    return f.read(4) == b"PK\x05\x06"
+
+
+_ALIGNED_RECORDS = hasattr(torch.serialization, "_get_storage_alignment")
+"""Whether this torch's ``torch.save`` writes the ``.format_version`` and ``.storage_alignment``
+records (torch 2.4 writes neither)."""
+
+
 def _storage_alignment() -> int:
     get = getattr(torch.serialization, "_get_storage_alignment", None)
     return int(get()) if get is not None else 64
+
+
+def _file_writer(target: str | IO[bytes]) -> Any:
+    """torch's zip writer, made as this torch's ``torch.save`` makes it: with the CRC32 and
+    alignment options it has, else from the file alone (torch 2.4 has neither option, and its
+    writer takes no more: CRC32 always, 64-byte alignment)."""
+    crc = getattr(torch.serialization, "get_crc32_options", None)
+    if crc is None or not hasattr(torch.serialization, "_get_storage_alignment"):
+        return torch._C.PyTorchFileWriter(target)
+    return torch._C.PyTorchFileWriter(target, crc(), _storage_alignment())
 
 
 # -- the destination ---------------------------------------------------------------------------
