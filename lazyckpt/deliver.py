@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lazyckpt.imported import require_dtensor
 from lazyckpt.index import contiguous_strides
 from lazyckpt.layout import named_mesh_dims
 from lazyckpt.load_plan import TensorPlan
@@ -22,6 +23,7 @@ class Deliverer:
         options.usable_device()
         self.mesh = options.mesh
         if self.mesh is not None:
+            require_dtensor()
             self.layout = options.target_layout()
             names = tuple(self.mesh.mesh_dim_names or ())
             self.dims = named_mesh_dims(names)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["fsdp_module_class", "is_device_mesh", "is_dtensor"]
+__all__ = ["fsdp_module_class", "is_device_mesh", "is_dtensor", "require_dtensor"]
 
 
 def _imported(module: str, name: str) -> type | None:
@@ -21,7 +21,27 @@ def _imported(module: str, name: str) -> type | None:
 
 def is_dtensor(obj: object) -> bool:
     cls = _imported("torch.distributed.tensor", "DTensor")
-    return cls is not None and isinstance(obj, cls)
+    if cls is not None:
+        return isinstance(obj, cls)
+    old = _imported("torch.distributed._tensor", "DTensor")
+    if old is not None and isinstance(obj, old):
+        require_dtensor()
+    return False
+
+
+def require_dtensor() -> None:
+    """DTensor targets use ``torch.distributed.tensor``, public from torch 2.5: on torch 2.4
+    (its DTensor in ``torch.distributed._tensor``) a DTensor model failed deep in a copy with
+    "invalid python storage"; say what is missing instead."""
+    import torch.distributed.tensor as public
+
+    if not isinstance(getattr(public, "DTensor", None), type):
+        import torch
+
+        raise RuntimeError(
+            "DTensor parameters and device meshes need torch 2.5 or later "
+            f"(torch.distributed.tensor); this is torch {torch.__version__}: upgrade torch"
+        )
 
 
 def is_device_mesh(obj: object) -> bool:

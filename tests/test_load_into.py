@@ -411,3 +411,40 @@ def test_mesh_and_placements_without_a_spec() -> None:
 def test_an_empty_tp_shard_under_fsdp2_is_left_empty(tmp_path: Path) -> None:
     torch.save({"0.weight": torch.arange(4.0).reshape(4, 1)}, tmp_path / "full.pt")
     spawn(check_load_into_empty_tp_shard, 4, str(tmp_path / "full.pt"))
+
+
+_OLD_DTENSOR_CHILD = """
+import os, sys, tempfile, torch, torch.distributed as dist
+from pathlib import Path
+from safetensors.torch import save_file
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed._tensor import DeviceMesh, Shard, distribute_tensor
+import lazyckpt
+folder = Path(tempfile.mkdtemp())
+save_file({"w": torch.arange(12.0).reshape(4, 3)}, folder / "m.safetensors")
+model = torch.nn.Module()
+model.w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), DeviceMesh("cpu", [0]), [Shard(0)]))
+try:
+    lazyckpt.load_into(model, folder / "m.safetensors")
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(
+    isinstance(getattr(__import__("torch.distributed.tensor").distributed.tensor, "DTensor", None), type),
+    reason="torch 2.5 and later have torch.distributed.tensor",
+)
+def test_a_dtensor_model_on_torch_2_4_is_told_to_upgrade() -> None:
+    """torch 2.4 keeps DTensor in torch.distributed._tensor: a DTensor model failed deep in a copy
+    ("invalid python storage"); the error now says what is missing."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _OLD_DTENSOR_CHILD, str(port)], capture_output=True, text=True
+    )
+    assert "need torch 2.5 or later" in done.stdout, (done.stdout, done.stderr)
