@@ -462,7 +462,7 @@ def _file_writer(target: str | IO[bytes]) -> Any:
     alignment options it has, else from the file alone (torch 2.4 has neither option, and its
     writer takes no more: CRC32 always, 64-byte alignment)."""
     crc = getattr(torch.serialization, "get_crc32_options", None)
-    if crc is None or not hasattr(torch.serialization, "_get_storage_alignment"):
+    if crc is None or not _ALIGNED_RECORDS:
         return torch._C.PyTorchFileWriter(target)
     return torch._C.PyTorchFileWriter(target, crc(), _storage_alignment())
 
