@@ -44,6 +44,7 @@ from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, castable
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
+from lazyckpt.zipdir import ends_with_end_record
 
 __all__ = [
     "DestinationError",
@@ -354,10 +355,10 @@ class TorchSaveWriter:
         name = str(path)
         align = _storage_alignment()
         if name.isascii():
-            self._writer: Any = _file_writer(name)
+            self._writer: Any = _file_writer(name, align)
         else:  # the C++ writer only takes ASCII names; torch.save falls back the same way
             self._stream = open(path, "xb")  # noqa: SIM115 - closed in close()/abort()
-            self._writer = _file_writer(self._stream)
+            self._writer = _file_writer(self._stream, align)
         with self._failing():
             self._writer.write_record("data.pkl", pkl, len(pkl))
             if _ALIGNED_RECORDS:
@@ -415,7 +416,7 @@ class TorchSaveWriter:
                 os.fsync(f.fileno())
                 # torch 2.4's writer ignores a failed write of the directory at the end (rc 0,
                 # a file torch.load cannot open): the file must end with the zip end record.
-                if not _ends_with_end_record(f):
+                if not ends_with_end_record(f):
                     raise RuntimeError("the file ends without its zip end record")
 
     def abort(self) -> None:
@@ -433,20 +434,6 @@ class TorchSaveWriter:
             self._stream.close()
 
 
-_END_RECORD_BYTES = 22
-"""The zip end-of-central-directory record with no comment: the last bytes torch writes."""
-
-
-def _ends_with_end_record(f: IO[bytes]) -> bool:
-    """Whether the open file ends with a zip end record and no comment, as torch's writer ends
-    every file it finished (a file cut short would have to end in those 4 bytes by chance)."""
-    size = f.seek(0, os.SEEK_END)
-    if size < _END_RECORD_BYTES:
-        return False
-    f.seek(size - _END_RECORD_BYTES)
-    return f.read(4) == b"PK\x05\x06"
-
-
 _ALIGNED_RECORDS = hasattr(torch.serialization, "_get_storage_alignment")
 """Whether this torch's ``torch.save`` writes the ``.format_version`` and ``.storage_alignment``
 records (torch 2.4 writes neither)."""
@@ -457,14 +444,14 @@ def _storage_alignment() -> int:
     return int(get()) if get is not None else 64
 
 
-def _file_writer(target: str | IO[bytes]) -> Any:
+def _file_writer(target: str | IO[bytes], align: int) -> Any:
     """torch's zip writer, made as this torch's ``torch.save`` makes it: with the CRC32 and
     alignment options it has, else from the file alone (torch 2.4 has neither option, and its
     writer takes no more: CRC32 always, 64-byte alignment)."""
     crc = getattr(torch.serialization, "get_crc32_options", None)
     if crc is None or not _ALIGNED_RECORDS:
         return torch._C.PyTorchFileWriter(target)
-    return torch._C.PyTorchFileWriter(target, crc(), _storage_alignment())
+    return torch._C.PyTorchFileWriter(target, crc(), align)
 
 
 # -- the destination ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 __all__ = [
     "HEAD_BLOCK",
@@ -28,6 +29,7 @@ __all__ = [
     "ZipShape",
     "ZipSpan",
     "check_layout",
+    "ends_with_end_record",
     "read_directory",
     "record_data",
     "zip_shape",
@@ -47,6 +49,18 @@ LOCAL_HEADER_BYTES = _LOCAL.size
 """The fixed part of a local header; its name and extra field follow."""
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
+
+
+def ends_with_end_record(f: IO[bytes]) -> bool:
+    """Whether the open file ends with an end record and no comment, as torch's writer ends
+    every file it finished (a file cut short would have to end in those bytes by chance): torch
+    2.4's writer ignores a failed write of its last records, and the reshard checks this."""
+    size = f.seek(0, os.SEEK_END)
+    if size < _EOCD.size:
+        return False
+    f.seek(size - _EOCD.size)
+    return f.read(len(_EOCD_SIG)) == _EOCD_SIG
+
 
 _TAIL_GUESS = 16 << 10
 """Bytes read from the end first: the end records and, for torch files, the whole directory."""

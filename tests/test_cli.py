@@ -696,7 +696,7 @@ def test_a_file_cut_before_its_zip_end_is_told_from_a_finished_one(tmp_path: Pat
     """torch 2.4's writer ignores a failed write of the zip directory at the end of a file (a
     size limit 64 bytes short: exit 0 and a file torch.load cannot open), so the reshard checks
     the end of every file it finished."""
-    from lazyckpt.writers import _ends_with_end_record
+    from lazyckpt.zipdir import ends_with_end_record
 
     path = tmp_path / "m.pt"
     torch.save({"w": torch.randn(64, 64)}, path)
@@ -704,7 +704,7 @@ def test_a_file_cut_before_its_zip_end_is_told_from_a_finished_one(tmp_path: Pat
     for cut in (0, 1, 21, 22, 64, len(data) // 2, len(data) - 1):
         path.write_bytes(data[: len(data) - cut])
         with open(path, "rb") as f:
-            assert _ends_with_end_record(f) == (cut == 0), cut
+            assert ends_with_end_record(f) == (cut == 0), cut
 
 
 _INTERRUPTED_CHILD = """
