@@ -40,6 +40,13 @@ class _Slot(Generic[R]):
         self.watched = False
 
 
+_RECHECK_S = 0.5
+"""How long the worker waits before it looks at ``stop`` again without being woken. A stream
+closed by the collector on the worker itself, at the allocation ``Condition.wait`` makes after
+the worker checked ``stop`` and before it is listed as a waiter, notifies nobody: without a
+bound the worker would wait for good, holding the stream's plans, reader and buffers."""
+
+
 def _condition() -> threading.Condition:
     return threading.Condition(threading.RLock())
 
@@ -114,7 +121,7 @@ def prefetched(
                 continue
             with cond:
                 while not state.stop and not may_start(i, size):
-                    cond.wait()
+                    cond.wait(_RECHECK_S)
                 if state.stop:
                     return
                 state.ahead += size

@@ -707,6 +707,30 @@ def test_a_file_cut_before_its_zip_end_is_told_from_a_finished_one(tmp_path: Pat
             assert ends_with_end_record(f) == (cut == 0), cut
 
 
+
+def test_a_writer_whose_last_write_falls_short_without_an_error_fails_to_close(
+    tmp_path: Path,
+) -> None:
+    """What torch 2.4's writer does at a size limit, made on any torch: the zip directory's
+    write "succeeds" and the file ends short. ``close`` must raise, not leave the file as
+    finished (on newer torch the writer raises first, so the full-disk test never gets here)."""
+    path = tmp_path / "m.pth"
+    writer = TorchSaveWriter(path, [TensorSpec("w", torch.float32, (8, 8))])
+    real = writer._writer
+
+    class EndsShort:
+        def write_record(self, *args: Any) -> None:
+            real.write_record(*args)
+
+        def write_end_of_file(self) -> None:
+            real.write_end_of_file()
+            os.truncate(path, path.stat().st_size - 10)
+
+    writer._writer = EndsShort()
+    writer.write("w", torch.ones(8, 8))
+    with pytest.raises(OSError, match="zip end record"):
+        writer.close()
+
 _INTERRUPTED_CHILD = """
 import sys, time
 from pathlib import Path

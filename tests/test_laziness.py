@@ -516,6 +516,10 @@ def test_a_closed_file_reads_nothing_of_the_file_that_took_its_descriptor(tmp_pa
         os.close(other)
 
 
+def _prefetch_workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "lazyckpt-prefetch"]
+
+
 def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -530,6 +534,7 @@ def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
     unraisable: list[object] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     before = gc.get_threshold()
+    workers_before = set(_prefetch_workers())
     gc.set_threshold(50)
 
     class Holder:
@@ -551,10 +556,11 @@ def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
     for _ in range(200):
         gc.collect()
         unmap.wait()
-        if not any(t.name == "lazyckpt-prefetch" for t in threading.enumerate()):
+        if not set(_prefetch_workers()) - workers_before:
             break
         time.sleep(0.05)
     gc.collect()
     unmap.wait()
+    assert not set(_prefetch_workers()) - workers_before, "a closed stream's worker is left"
     assert unraisable == [], unraisable
     assert _open_under(tmp_path) == 0

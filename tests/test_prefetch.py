@@ -13,7 +13,7 @@ from helpers import fork_mid_stream, same_bits
 from safetensors.torch import save_file
 
 import lazyckpt
-from lazyckpt import alloc
+from lazyckpt import alloc, prefetch
 from lazyckpt.prefetch import prefetched
 
 MB = 1 << 20
@@ -244,3 +244,42 @@ def test_an_item_built_after_the_stream_closed_on_the_worker_is_not_kept() -> No
             thread.join(10)
     del stream["it"], items
     assert late and late[0]() is None
+
+
+def test_a_stream_closed_on_the_worker_as_it_starts_to_wait_does_not_keep_it_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Condition.wait`` allocates its waiter's lock before listing it, after the worker has
+    checked ``stop``: a collection there may close a stream dropped in a reference cycle, on
+    the worker. Its ``finally`` then notifies nobody, and the worker used to wait for good,
+    holding the stream's build (plans, reader, buffers)."""
+    stream: dict[str, object] = {}
+    armed = threading.Event()
+    closed = threading.Event()
+
+    class ClosedAtWait(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            on_worker = threading.current_thread().name == "lazyckpt-prefetch"
+            if on_worker and armed.is_set() and not closed.is_set():
+                closed.set()
+                stream["it"].close()  # type: ignore[attr-defined]  # what the collector would run
+            return super().wait(timeout)
+
+    monkeypatch.setattr(prefetch, "_condition", lambda: ClosedAtWait(threading.RLock()))
+    before = set(threading.enumerate())
+
+    def build(i: int) -> torch.Tensor:
+        if i == 1:
+            assert armed.wait(10)
+        return torch.full((4,), float(i))
+
+    # A budget of two items: with item 1 built and not taken, the worker waits before item 2,
+    # while the stream is suspended at its yield of item 0.
+    items = prefetched(range(4), build, nbytes=lambda i: 16, inline=lambda i: False, budget=32)
+    stream["it"] = items
+    assert next(items)[0] == 0
+    (worker,) = (t for t in threading.enumerate() if t not in before)
+    armed.set()
+    worker.join(30)
+    assert closed.is_set()
+    assert not worker.is_alive()
