@@ -82,6 +82,18 @@ def _watch(owner: object | None, state: _State, size: int) -> bool:
     return True
 
 
+def _same_process(parent: int) -> None:
+    """Refuse to go on in a forked child. The worker does not come along with ``fork()``
+    (``next()`` would wait for it for good); a stream that has none (views, small keys, a
+    budget of 0) is refused too, so that whether a child may go on does not depend on the
+    dtypes and sizes of the keys."""
+    if os.getpid() != parent:
+        raise RuntimeError(
+            "a lazy_load stream cannot go on in a process forked from the one that started it "
+            "(the child may close or drop it); start a new lazy_load there"
+        )
+
+
 def prefetched(
     items: Sequence[T],
     build: Callable[[T], R],
@@ -101,8 +113,10 @@ def prefetched(
     """
     sizes = [nbytes(item) for item in items]
     kinds = [inline(item) for item in items]
+    parent = os.getpid()
     if budget <= 0 or all(kinds):
         for item in items:
+            _same_process(parent)
             yield build(item)
         return
     state = _State()
@@ -147,15 +161,9 @@ def prefetched(
 
     worker = threading.Thread(target=work, name="lazyckpt-prefetch", daemon=True)
     worker.start()
-    parent = os.getpid()
     try:
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
-            if os.getpid() != parent:
-                # The worker did not come along with fork(): next() would wait for it for good.
-                raise RuntimeError(
-                    "a lazy_load stream cannot go on in a process forked from the one that "
-                    "started it (its prefetch thread stays behind); start a new lazy_load there"
-                )
+            _same_process(parent)
             if is_inline:
                 value = build(item)
                 yield value

@@ -235,10 +235,15 @@ needs_openmp = pytest.mark.skipif(
 """For ``lazyckpt.threads``: per-thread OpenMP settings, with more than one thread to cut."""
 
 
-def fork_mid_stream(tmp_path: Path, child: Callable[[Iterator[tuple[str, torch.Tensor]]], int]) -> int:
-    """Fork in the middle of a stream whose copies the prefetch worker builds (8 keys of 512
-    KiB cast to float16) and run ``child(stream)`` in the child, which exits with its result (1
-    if it raises; killed by an alarm after 30 s if it hangs). The parent finishes the stream,
+def fork_mid_stream(
+    tmp_path: Path,
+    child: Callable[[Iterator[tuple[str, torch.Tensor]]], int],
+    options: lazyckpt.ModelCheckpointLoadOptions | None = None,
+) -> int:
+    """Fork in the middle of a stream and run ``child(stream)`` in the child, which exits with
+    its result (1 if it raises; killed by an alarm after 30 s if it hangs). By default the
+    stream's copies are built by the prefetch worker (8 keys of 512 KiB cast to float16);
+    ``options`` may ask for another kind (views, no prefetch). The parent finishes the stream,
     checks every tensor against the file's, and returns the child's exit code (negative: a
     signal)."""
     import os
@@ -246,7 +251,9 @@ def fork_mid_stream(tmp_path: Path, child: Callable[[Iterator[tuple[str, torch.T
 
     sd = {f"w{i}": torch.randn(512, 256) for i in range(8)}  # 512 KiB: built on the worker
     save_file(sd, tmp_path / "m.safetensors")
-    options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # copies: on the worker
+    if options is None:
+        options = lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16)  # on the worker
+    dtype = options.dtype or torch.float32
     stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options)
     got = dict([next(stream)])
     pid = os.fork()
@@ -259,5 +266,5 @@ def fork_mid_stream(tmp_path: Path, child: Callable[[Iterator[tuple[str, torch.T
             os._exit(code)
     got.update(stream)
     _, status = os.waitpid(pid, 0)
-    assert all(torch.equal(got[k], sd[k].half()) for k in sd)
+    assert all(torch.equal(got[k], sd[k].to(dtype)) for k in sd)
     return os.waitstatus_to_exitcode(status)
