@@ -172,3 +172,45 @@ def test_a_save_written_under_python_3_13_loads(layout: lazyckpt.Layout) -> None
     assert sorted(got) == sorted(full)
     for key, t in full.items():
         assert same_bits(got[key], expected(t, dims.get(key), layout)), (key, layout)
+
+
+_MEGATRON_TRUTH = {
+    "decoder.layers.0.mlp.linear_fc1.weight": torch.arange(48, dtype=torch.float32).reshape(8, 6),
+    "embedding.word_embeddings.weight": torch.arange(40, dtype=torch.bfloat16).reshape(10, 4),
+    "decoder.final_layernorm.bias": torch.arange(6, dtype=torch.float32) / 7,
+}
+_MEGATRON_DIMS = {"decoder.layers.0.mlp.linear_fc1.weight": 0, "embedding.word_embeddings.weight": 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_a_megatron_torch_dist_save_loads(layout: lazyckpt.Layout) -> None:
+    """``tests/data/megatron-torch-dist`` was written by megatron-core 0.16.1's
+    ``dist_checkpointing.save`` (torch_dist, torch 2.13.0) from 2 gloo ranks: the fc1 weight
+    as ``ShardedTensor.from_rank_offsets(key, chunk(2, 0)[rank], (0, rank, 2))``, the
+    embedding so on dim 1, the bias replicated (``replica_id=rank``), and ``"iteration": 7``
+    (the script stubbed ``torch.cuda.synchronize`` and ``current_device``, which its writer
+    calls). Megatron writes ``common.pt`` and ``metadata.json`` beside the DCP files, and keeps
+    every rank's save plan in ``.metadata``: the folder was refused as mixing a DCP save with a
+    torch file, and its ``.metadata`` as naming globals outside the allow-list."""
+    folder = Path(__file__).parent / "data" / "megatron-torch-dist"
+    assert b"all_local_plans" in (folder / ".metadata").read_bytes()
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".distcp")) == [
+        ".metadata", "common.pt", "metadata.json"
+    ]
+    got = load_all(folder, _MEGATRON_DIMS, layout=layout)
+    assert list(got) == list(_MEGATRON_TRUTH)
+    for key, t in _MEGATRON_TRUTH.items():
+        assert same_bits(got[key], expected(t, _MEGATRON_DIMS.get(key), layout)), (key, layout)
+    index = lazyckpt.loaders.detect_loader(folder).index(folder)
+    assert any("common.pt" in note for note in index.notes), index.notes
+
+
+def test_a_dcp_save_beside_a_torch_file_that_is_not_megatrons_is_still_refused(
+    tmp_path: Path,
+) -> None:
+    """Only Megatron's pair (``common.pt`` with ``metadata.json``) is its convention."""
+    folder = tmp_path / "save"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=folder, no_dist=True)
+    torch.save({"iteration": 7}, folder / "common.pt")
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match=r"common\.pt"):
+        lazyckpt.loaders.detect_loader(folder)

@@ -38,6 +38,10 @@ from lazyckpt.torch_zip import (
 __all__ = ["DcpCheckpointLoader", "read_dcp_metadata"]
 
 METADATA = ".metadata"
+MEGATRON_FILES = ("common.pt", "metadata.json")
+"""What Megatron-core's ``dist_checkpointing`` writes beside a ``torch_dist`` save: the state
+that is not sharded (``common.pt``: the iteration, the arguments; its tensors are all in the
+save) and which backend wrote the folder. Both present mark the folder as Megatron's."""
 _MAX_METADATA_BYTES = 1 << 30
 
 
@@ -102,12 +106,34 @@ class _TensorProperties(_Record):
         super().__setstate__(state)
 
 
+class _SavePlan(_Record):
+    pass
+
+
+class _WriteItem(_Record):
+    pass
+
+
+class _TensorWriteData(_Record):
+    pass
+
+
+class _BytesIOWriteData(_Record):
+    pass
+
+
+def _enum_value(value: Any) -> Any:
+    """An enum member as pickle rebuilds it, ``WriteItemType(value)``: the value itself."""
+    return value
+
+
 def _memory_format_code(value: Any) -> Any:
     """``_MEM_FORMAT_ENCODING(code)``: the code itself (the field is deprecated and unused)."""
     return value
 
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
 _DCP_CLASSES: dict[tuple[str, str], Any] = {
     (_METADATA_MODULE, "Metadata"): _Metadata,
     (_METADATA_MODULE, "TensorStorageMetadata"): _TensorStorageMetadata,
@@ -118,6 +144,13 @@ _DCP_CLASSES: dict[tuple[str, str], Any] = {
     (_METADATA_MODULE, "StorageMeta"): _StorageMeta,
     (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format_code,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    # Megatron-core's torch_dist saves keep every rank's save plan in the metadata
+    # (``all_local_plans``, for its cached-metadata saves); lazyckpt reads none of it.
+    (_PLANNER_MODULE, "SavePlan"): _SavePlan,
+    (_PLANNER_MODULE, "WriteItem"): _WriteItem,
+    (_PLANNER_MODULE, "WriteItemType"): _enum_value,
+    (_PLANNER_MODULE, "TensorWriteData"): _TensorWriteData,
+    (_PLANNER_MODULE, "BytesIOWriteData"): _BytesIOWriteData,
 }
 
 
@@ -233,6 +266,11 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def megatron_files(names: list[str]) -> tuple[str, ...]:
+    """Megatron-core's own files among the names of a DCP folder, if it wrote the folder."""
+    return MEGATRON_FILES if all(n in names for n in MEGATRON_FILES) else ()
+
+
 def holds_set(folder: Path, names: list[str]) -> bool:
     """Whether ``folder``, whose entries are ``names``, holds a DCP ``.metadata`` file."""
     return METADATA in names and (folder / METADATA).is_file()
@@ -273,6 +311,11 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
+        if all((folder / n).is_file() for n in MEGATRON_FILES):
+            notes.append(
+                f"ignored {MEGATRON_FILES[0]}: Megatron-core's state that is not sharded "
+                "(iteration, arguments), not weights"
+            )
         pickled = [fqn for fqn, md in tensors.items() if isinstance(md, _BytesStorageMetadata)]
         if pickled and len(pickled) == len(tensors):
             shown = ", ".join(repr(f) for f in pickled[:5]) + (" ..." if len(pickled) > 5 else "")
