@@ -7,6 +7,7 @@ See DESIGN.md for the contract. The pipeline is index (per format, metadata only
 from lazyckpt.errors import (
     CorruptModelCheckpointError,
     ModelCheckpointError,
+    ShardDimsWarning,
     UnknownCheckpointFormatError,
 )
 from lazyckpt.layout import Layout
@@ -29,6 +30,7 @@ __all__ = [
     "ModelCheckpointLoadOptions",
     "ModelCheckpointLoader",
     "PRESETS",
+    "ShardDimsWarning",
     "UnknownCheckpointFormatError",
     "get_model_checkpoint_loader",
     "get_preset",

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,11 +30,11 @@ import torch
 
 from lazyckpt.build import output_dtype
 from lazyckpt.claims import Claims
-from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
+from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError, ShardDimsWarning
 from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
-from lazyckpt.loader import IndexedCheckpointLoader
+from lazyckpt.loader import SPLITS_UNRECORDED, IndexedCheckpointLoader
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.plan import element_offset, span
@@ -235,7 +236,7 @@ def _warn_no_dims(choice: ShardDimsChoice, index: CheckpointIndex, tp: int = 1) 
             )
     if choice.concrete(list(index.entries)):
         return
-    if index.format in ("fairscale", "fairseq2") and len(index.files) > 1:
+    if index.format in SPLITS_UNRECORDED and len(index.files) > 1:
         _note(
             f"no shard dims: {index.format} files do not record how keys are split, so each "
             "key is taken as a replica; pass --shard-dims "
@@ -1045,7 +1046,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ShardDimsWarning)  # the commands' notes say it
             return int(args.func(args))
     except KeyboardInterrupt as exc:
         if debug:

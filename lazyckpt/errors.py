@@ -1,4 +1,4 @@
-"""The library's exceptions.
+"""The library's exceptions and warnings.
 
 Every error raised for a bad checkpoint is a :class:`CorruptModelCheckpointError` carrying the
 path at fault, so a caller can tell "this file is broken" apart from "I called the API wrong"
@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "CorruptModelCheckpointError",
     "ModelCheckpointError",
+    "ShardDimsWarning",
     "UnknownCheckpointFormatError",
 ]
 
@@ -58,3 +59,8 @@ def _rebuild(
 
 class UnknownCheckpointFormatError(CorruptModelCheckpointError):
     """No loader recognises the path, or the folder mixes formats with no rule to pick one."""
+
+
+class ShardDimsWarning(UserWarning):
+    """``shard_dims`` name none of a checkpoint's keys where splitting matters (a TP target, or
+    a model-parallel set): rarely meant, as when a preset's Meta names meet Hugging Face's."""

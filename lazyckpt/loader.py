@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import final
+from types import FrameType
+from typing import cast, final
 
 import torch
 
 from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
-from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.errors import CorruptModelCheckpointError, ShardDimsWarning
 from lazyckpt.gcpause import gc_paused
 from lazyckpt.index import CheckpointIndex, FileStamp, stamped
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
@@ -180,8 +183,42 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         options = options_or_default(options)
         index, plans = self.plan(path, shard_dims, options)
+        _warn_if_nothing_split(index, shard_dims, options.target_layout().tp_size)
         deliverer = Deliverer(options)
         return _stream(plans, options, deliverer, index.stamps)
+
+
+SPLITS_UNRECORDED = ("fairscale", "fairseq2")
+"""Model-parallel formats whose files do not record how a key is split across them."""
+
+
+def _warn_if_nothing_split(index: CheckpointIndex, shard_dims: Mapping[str, int], tp: int) -> None:
+    """Warn where ``shard_dims`` names none of the checkpoint's keys but splitting matters: a
+    TP target, or a model-parallel set (whose files do not record how keys are split). Rarely
+    meant: a preset's Meta names given a Hugging Face checkpoint give ``{}``, and then every
+    TP rank gets every tensor whole, or each key of the set is read as a replica from one rank
+    file (compared with its other copies only up to ``verify_replicas_max_bytes``)."""
+    several = index.format in SPLITS_UNRECORDED and len(index.files) > 1
+    if not (tp > 1 or several) or (shard_dims and any(k in shard_dims for k in index.entries)):
+        return
+    if several:
+        what = (
+            f"each key of this {index.source_layout} set is read as a replica from one rank "
+            "file, and split keys come out as one rank's shard"
+        )
+    else:
+        what = f"each of the {tp} TP ranks gets every tensor whole"
+    # Pointed at the first caller outside lazyckpt (through the detecting loader or not).
+    level, frame = 1, cast("FrameType | None", sys._getframe())
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "lazyckpt":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"{index.path}: shard_dims names none of its {len(index.entries)} keys, so {what}. "
+        "Name keys as the checkpoint does (after key_map); the presets use Meta's names "
+        "('layers.0.attention.wq.weight')",
+        ShardDimsWarning,
+        stacklevel=level,
+    )
 
 
 _WORKER_MIN_BYTES = 256 << 10

@@ -1240,7 +1240,32 @@ def test_mp_split_keys_without_shard_dims_are_not_taken_as_replicas(tmp_path: Pa
         },
     ]
     folder = write_mp(tmp_path / "mp_set", shards)
-    fails(folder, CORRUPT, ((WQ, WO),), shard_dims={})
+    with pytest.warns(lazyckpt.ShardDimsWarning, match="names none of its 2 keys"):
+        fails(folder, CORRUPT, ((WQ, WO),), shard_dims={})
+
+
+def test_shard_dims_that_name_no_key_are_warned_of_where_splitting_matters(tmp_path: Path) -> None:
+    """A preset given a checkpoint of other names (Hugging Face's) gives ``{}``: a TP rank then
+    gets every tensor whole, and a model-parallel set's keys are read as replicas; where the
+    replicas are not compared, rank 0's shard came out under the key, and nothing said so."""
+    mp = write_mp(tmp_path / "mp", mp_shards(2))
+    st = tmp_path / "m.safetensors"
+    save_file(MP_FULL, st)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    hf_names = {"model.layers.0.self_attn.q_proj.weight": 0}
+    unchecked = lazyckpt.ModelCheckpointLoadOptions(verify_replicas=False)
+    with pytest.warns(lazyckpt.ShardDimsWarning, match="none of its 3 keys, so each key of this MP-2") as got:
+        stream = loader.lazy_load(mp, hf_names, unchecked)
+    assert [w.filename for w in got] == [__file__]  # the caller's line, not lazyckpt's
+    assert dict(stream)[WQ].shape == (4, 6)  # what the warning says: one rank's shard
+    tp2 = lazyckpt.ModelCheckpointLoadOptions(layout=lazyckpt.Layout(tp_size=2))
+    with pytest.warns(lazyckpt.ShardDimsWarning, match="each of the 2 TP ranks gets every tensor whole"):
+        loader.lazy_load(st, hf_names, tp2).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(loader.lazy_load(st, {}))) == 3  # TP 1 and one file: nothing to split
+        assert len(list(loader.lazy_load(st, MP_DIMS, tp2))) == 3
+        assert len(list(loader.lazy_load(mp, MP_DIMS))) == 3
 
 
 @pytest.mark.parametrize("dim", [2, -3, 7])
@@ -1520,6 +1545,7 @@ def test_dcp_windows_that_overlap_are_refused(tmp_path: Path, edit: str) -> None
         fails(folder, CORRUPT, ("'a'", "'b'", a.relative_path, "overlap"), mmap=mmap)
 
 
+@pytest.mark.filterwarnings("ignore::lazyckpt.ShardDimsWarning")
 def test_errors_carry_the_key_at_fault(tmp_path: Path) -> None:
     """``CorruptModelCheckpointError.key`` names the key, for callers that act on it."""
     torch.save({"good": torch.ones(2), "bad": 3}, tmp_path / "m.pt")
