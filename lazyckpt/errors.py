@@ -58,7 +58,8 @@ def _rebuild(
 
 
 class UnknownCheckpointFormatError(CorruptModelCheckpointError):
-    """No loader recognises the path, or the folder mixes formats with no rule to pick one."""
+    """No loader recognises the path, the folder mixes formats with no rule to pick one, or the
+    checkpoint is stored in a way lazyckpt does not read (a DCP save's compressed chunks)."""
 
 
 class ShardDimsWarning(UserWarning):

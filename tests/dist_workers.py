@@ -311,12 +311,14 @@ def build_odd(
     return model, mesh
 
 
-def save_odd_dcp(rank: int, world: int, kind: str, out: str) -> None:
-    """``dcp.save`` of ``OddModel``'s state dict from a ``kind`` model holding the truth."""
+def save_odd_dcp(rank: int, world: int, kind: str, out: str, collectives: bool = True) -> None:
+    """``dcp.save`` of ``OddModel``'s state dict from a ``kind`` model holding the truth;
+    without ``collectives``, each rank writes the metadata of its own chunks (``__N.metadata``)
+    and no ``.metadata``."""
     import torch.distributed.checkpoint as dcp
 
     model, _ = build_odd(kind, world, init=odd_model_truth())
-    dcp.save(model.state_dict(), checkpoint_id=out)
+    dcp.save(model.state_dict(), checkpoint_id=out, use_collectives=collectives)
 
 
 def check_load_into(rank: int, world: int, kind: str, src: str, meta: bool) -> None:

@@ -4,6 +4,7 @@ models in real gloo process groups, read into every layout and compared bit for 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,13 +21,19 @@ def dcp_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saves = {"fsdp2": (root / "fsdp2", 3), "2d": (root / "2d", 4), "tp": (root / "tp", 2)}
     for kind, (folder, world) in saves.items():
         spawn(save_odd_dcp, world, kind, str(folder))
+    rank_local = root / "fsdp2-rank-local"  # use_collectives=False: a __N.metadata per rank
+    spawn(save_odd_dcp, 3, "fsdp2", str(rank_local), False)
     single = root / "single"
     dcp.save(odd_model_truth(), checkpoint_id=str(single))  # one process, no process group
-    return {**{k: f for k, (f, _) in saves.items()}, "single": single}
+    return {
+        **{k: f for k, (f, _) in saves.items()},
+        "fsdp2-rank-local": rank_local,
+        "single": single,
+    }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("kind", ["fsdp2", "2d", "tp", "single"])
+@pytest.mark.parametrize("kind", ["fsdp2", "2d", "tp", "fsdp2-rank-local", "single"])
 def test_dcp_into_every_layout(dcp_saves: dict[str, Path], kind: str, layout: lazyckpt.Layout) -> None:
     truth = odd_model_truth()
     got = load_all(dcp_saves[kind], ODD_TP_DIMS, layout=layout)
@@ -111,15 +118,19 @@ def test_dcp_metadata_globals_are_allow_listed(tmp_path: Path) -> None:
     assert torch.equal(load_all(tmp_path / "ok")["w"], torch.ones(3))
 
 
-@pytest.mark.parametrize("keys", [1, 2])
+@pytest.mark.parametrize("keys", [1, 2, 3])
 def test_a_dcp_save_in_safetensors_format_is_named_as_such(tmp_path: Path, keys: int) -> None:
     # FileSystemWriter(serialization_format=SAFETENSORS) writes safetensors files whose
     # .metadata gives every item offset 0; torch's FileSystemReader cannot read them either. Two
     # items in one file looked like overlapping (damaged) entries, one like a bad torch zip.
+    # With a pickled item (written first) the safetensors data starts after it: the entries
+    # overlap there, and were told apart as damaged metadata.
+    import io
+
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    sd = {"a": torch.randn(3, 4), "b": torch.arange(5)}
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(5), "blob": io.BytesIO(b"12345")}
     folder = tmp_path / "ck"
     writer = FileSystemWriter(folder, serialization_format=SerializationFormat.SAFETENSORS)
     dcp.save(dict(list(sd.items())[:keys]), storage_writer=writer, no_dist=True)
@@ -214,3 +225,95 @@ def test_a_dcp_save_beside_a_torch_file_that_is_not_megatrons_is_still_refused(
     torch.save({"iteration": 7}, folder / "common.pt")
     with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match=r"common\.pt"):
         lazyckpt.loaders.detect_loader(folder)
+
+
+def test_a_save_whose_ranks_wrote_their_own_metadata_is_read_as_one(
+    dcp_saves: dict[str, Path],
+) -> None:
+    """``dcp.save(use_collectives=False)`` writes no ``.metadata``: each rank lists its own
+    chunks in ``__N.metadata`` (and the 0-d buffer, which every rank holds, in each). The folder
+    was taken for one holding no checkpoint; now the ranks' lists are joined, each chunk taken
+    once, and a rank's file may be passed for the folder."""
+    folder = dcp_saves["fsdp2-rank-local"]
+    assert sorted(p.name for p in folder.glob("*.metadata")) == [
+        "__0.metadata", "__1.metadata", "__2.metadata"
+    ]
+    assert not (folder / ".metadata").exists()
+    index = lazyckpt.loaders.detect_loader(folder / "__1.metadata").index(folder / "__1.metadata")
+    assert len(index.entries["embed.weight"].chunks) == 3
+    assert len(index.entries["steps"].chunks) == 1
+    assert index.metadata_files == [folder / f"__{r}.metadata" for r in range(3)]
+    truth = odd_model_truth()
+    got = load_all(folder / "__1.metadata", ODD_TP_DIMS)
+    assert all(same_bits(got[k], t) for k, t in truth.items())
+
+
+def test_a_dcp_save_that_did_not_finish_is_told_so(tmp_path: Path) -> None:
+    """DCP writes ``.metadata`` after every rank's data (Megatron writes its ``common.pt``
+    first): an interrupted save left data files that were taken for nothing, or a Megatron
+    folder's ``common.pt`` for the checkpoint."""
+    folder = tmp_path / "save"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=folder, no_dist=True)
+    torch.save({"iteration": torch.tensor(7)}, folder / "common.pt")  # a tensor: loadable
+    (folder / ".metadata").unlink()
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="did not finish"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+
+
+def test_a_dcp_save_with_transformed_chunks_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """``FileSystemWriter(_extensions=[...])`` (torch's ZStandard, or one of the user's) writes
+    each chunk through a stream transform, which lazyckpt does not undo: the refusal is told as
+    a format lazyckpt does not read, with the fix, not as damage."""
+    import io
+    import zlib
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class Deflate(StreamTransformExtension):
+        @staticmethod
+        def registry_name() -> str:
+            return "stream.deflate"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Deflate:
+            return Deflate()
+
+        def get_descriptor(self) -> str:
+            return "stream.deflate/1"
+
+        def transform_to(self, output: Any) -> Any:
+            class Compressing(io.RawIOBase):
+                def __init__(self) -> None:
+                    self.data = bytearray()
+
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b: Any) -> int:
+                    self.data += bytes(b)
+                    return len(b)
+
+                def close(self) -> None:
+                    if not self.closed:
+                        output.write(zlib.compress(bytes(self.data)))
+                    super().close()
+
+            return Compressing()
+
+        def transform_from(self, input: Any) -> Any:
+            return io.BytesIO(zlib.decompress(input.read()))
+
+    folder = tmp_path / "ck"
+    writer = FileSystemWriter(folder, _extensions=[Deflate()])
+    dcp.save({"w": torch.randn(6, 4)}, storage_writer=writer, no_dist=True)
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="without _extensions"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+
+
+def test_a_pickled_item_is_noted_as_one_without_a_wrong_guess(tmp_path: Path) -> None:
+    # Every non-tensor item of a flattened save is pickled: the note had guessed it to be a
+    # nested state dict saved with flatten_state_dict=False.
+    dcp.save({"w": torch.ones(2), "step": 5}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    index = lazyckpt.loaders.detect_loader(tmp_path / "ck").index(tmp_path / "ck")
+    assert index.notes == ["skipped 'step': a pickled object, not a tensor"]

@@ -98,6 +98,15 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
         return SAFETENSORS
     if pt_index:
         return TORCH
+    distcp = sorted(n for n in names if n.endswith(".distcp"))
+    if distcp and not sets:
+        raise UnknownCheckpointFormatError(
+            p,
+            f"holds DCP data files ({distcp[0]}{' ...' if len(distcp) > 1 else ''}) but no "
+            ".metadata: the save did not finish (DCP writes .metadata last, after every rank's "
+            "data; Megatron also writes metadata.json after it), or its metadata was moved; "
+            "save again",
+        )
     if sets:
         loose = loose_st + loose_pt
         if loose:

@@ -16,6 +16,7 @@ import math
 import os
 import pathlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any, final
 
@@ -40,8 +41,10 @@ __all__ = ["DcpCheckpointLoader", "read_dcp_metadata"]
 METADATA = ".metadata"
 MEGATRON_FILES = ("common.pt", "metadata.json")
 """What Megatron-core's ``dist_checkpointing`` writes beside a ``torch_dist`` save: the state
-that is not sharded (``common.pt``: the iteration, the arguments; its tensors are all in the
-save) and which backend wrote the folder. Both present mark the folder as Megatron's."""
+that is not sharded (``common.pt``: the iteration, the arguments, and any plain tensor given to
+the save, as an optimizer's scalars; the model's weights are sharded tensors, in the save) and
+which backend wrote the folder. Both present mark the folder as Megatron's. Megatron writes
+``common.pt`` first and these two last."""
 _MAX_METADATA_BYTES = 1 << 30
 
 
@@ -224,7 +227,9 @@ def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
     for rel, windows in by_file.items():
         windows.sort()
         for (a0, a1, a), (b0, b1, b) in itertools.pairwise(windows):
-            if b0 < a1 and _is_safetensors(meta_path.parent / rel):
+            # The SAFETENSORS format points every tensor at its file's safetensors blob (after
+            # any pickled items): the windows overlap where the blob starts.
+            if b0 < a1 and any(_is_safetensors(meta_path.parent / rel, at) for at in (a0, b0)):
                 raise _safetensors_format(meta_path.parent / rel)
             if b0 < a1:
                 raise CorruptModelCheckpointError(
@@ -245,11 +250,12 @@ def _safetensors_format(path: Path) -> UnknownCheckpointFormatError:
     )
 
 
-def _is_safetensors(path: Path) -> bool:
-    """Whether ``path`` starts as a safetensors file does: a header length, then ``{"``."""
+def _is_safetensors(path: Path, at: int = 0) -> bool:
+    """Whether ``path`` holds at byte ``at`` what starts a safetensors file: a header length,
+    then ``{"``."""
     try:
         with open(path, "rb") as f:
-            head = f.read(10)
+            head = os.pread(f.fileno(), 10, at)
     except OSError:
         return False
     return len(head) == 10 and head[8:10] == b'{"' and int.from_bytes(head[:8], "little") > 1
@@ -271,9 +277,73 @@ def megatron_files(names: list[str]) -> tuple[str, ...]:
     return MEGATRON_FILES if all(n in names for n in MEGATRON_FILES) else ()
 
 
+_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+"""What each rank writes instead of ``.metadata`` when saved with ``use_collectives=False``:
+the metadata of its own chunks."""
+
+
+def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
+    """The metadata files of the DCP save in ``folder``: its ``.metadata``, else every rank's
+    ``__N.metadata`` in rank order; none if it holds neither."""
+    if (folder / METADATA).is_file():
+        return [folder / METADATA]
+    ranks = []
+    for n in os.listdir(folder) if names is None else names:
+        m = _RANK_METADATA.fullmatch(n)
+        if m is not None and (folder / n).is_file():
+            ranks.append((int(m.group(1)), folder / n))
+    return [p for _, p in sorted(ranks)]
+
+
 def holds_set(folder: Path, names: list[str]) -> bool:
-    """Whether ``folder``, whose entries are ``names``, holds a DCP ``.metadata`` file."""
-    return METADATA in names and (folder / METADATA).is_file()
+    """Whether ``folder``, whose entries are ``names``, holds a DCP save's metadata."""
+    return bool(metadata_paths(folder, names))
+
+
+def _merged(metas: list[Any], paths: list[Path]) -> Any:
+    """One ``Metadata`` for the rank-local ones of a save made with ``use_collectives=False``.
+    Each rank listed its own chunks, and a replicated tensor's chunk is in every rank's file
+    that holds it: each chunk is taken once, from the lowest rank's file that has it."""
+    out: Any = _Metadata()
+    out.state_dict_metadata, out.storage_data = {}, {}
+    first: dict[str, Path] = {}
+    taken: set[tuple[Any, ...]] = set()
+    for meta, path in zip(metas, paths):
+        tensors, storage = meta.state_dict_metadata, meta.storage_data
+        if not isinstance(tensors, dict) or not isinstance(storage, dict):
+            raise CorruptModelCheckpointError(path, "lacks state_dict_metadata or storage_data")
+        md: Any
+        for fqn, md in tensors.items():
+            have = out.state_dict_metadata.get(fqn)
+            if have is None:
+                if isinstance(md.chunks, list):  # extended below: this file's list stays as read
+                    md.chunks = list(md.chunks)
+                out.state_dict_metadata[fqn] = md
+                first[fqn] = path
+                continue
+            if isinstance(md, _BytesStorageMetadata) and isinstance(have, _BytesStorageMetadata):
+                continue
+            same = (
+                isinstance(md, _TensorStorageMetadata)
+                and isinstance(have, _TensorStorageMetadata)
+                and _ints(md.size) == _ints(have.size)
+                and getattr(md.properties, "dtype", None) == getattr(have.properties, "dtype", None)
+            )
+            if not same or not isinstance(md.chunks, list) or not isinstance(have.chunks, list):
+                raise CorruptModelCheckpointError(
+                    path,
+                    f"key {fqn!r} is described otherwise than in {first[fqn].name} ({md!r} "
+                    f"against {have!r}); the ranks' metadata do not belong to one save",
+                    key=fqn,
+                )
+            known = {(_ints(c.offsets), _ints(c.sizes)) for c in have.chunks}
+            have.chunks += [c for c in md.chunks if (_ints(c.offsets), _ints(c.sizes)) not in known]
+        for k, info in storage.items():
+            where = (getattr(k, "fqn", None), _ints(getattr(k, "offset", None)))
+            if where not in taken:
+                taken.add(where)
+                out.storage_data[k] = info
+    return out
 
 
 @final
@@ -285,15 +355,18 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
     def supports_path(self, path: str | os.PathLike[str]) -> bool:
         p = Path(path)
         if p.is_file():
-            return p.name == METADATA
-        return p.is_dir() and (p / METADATA).is_file()
+            return p.name == METADATA or _RANK_METADATA.fullmatch(p.name) is not None
+        return p.is_dir() and bool(metadata_paths(p))
 
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
         folder = path.parent if path.is_file() else path
-        meta_path = folder / METADATA
-        meta = read_dcp_metadata(meta_path, restrict=options.restrict)
+        meta_paths = metadata_paths(folder) or [folder / METADATA]  # (missing: said when read)
+        metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
+        # Errors about the metadata name its file, or the folder for the ranks' files together.
+        meta_path = meta_paths[0] if len(meta_paths) == 1 else folder
+        meta = metas[0] if len(metas) == 1 else _merged(metas, meta_paths)
         tensors = meta.state_dict_metadata
         storage = meta.storage_data
         if not isinstance(tensors, dict) or not isinstance(storage, dict):
@@ -311,28 +384,31 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
-        if all((folder / n).is_file() for n in MEGATRON_FILES):
+        megatron = all((folder / n).is_file() for n in MEGATRON_FILES)
+        if megatron:
             notes.append(
                 f"ignored {MEGATRON_FILES[0]}: Megatron-core's state that is not sharded "
-                "(iteration, arguments), not weights"
+                "(iteration, arguments, any plain tensor given to its save), not read; "
+                "torch.load it for those"
             )
         pickled = [fqn for fqn, md in tensors.items() if isinstance(md, _BytesStorageMetadata)]
         if pickled and len(pickled) == len(tensors):
             shown = ", ".join(repr(f) for f in pickled[:5]) + (" ..." if len(pickled) > 5 else "")
-            raise CorruptModelCheckpointError(
-                meta_path,
-                f"holds no tensor, only pickled objects ({shown}): DCP pickles what its planner "
-                "does not flatten, so a state dict saved with DefaultSavePlanner("
-                "flatten_state_dict=False) is one object; save with the default planner, or "
-                "convert the folder with torch.distributed.checkpoint.format_utils."
-                "dcp_to_torch_save and load the file it writes",
+            why = (
+                "Megatron's ShardedObjects, with its common state in common.pt"
+                if megatron
+                else "DCP pickles what its planner does not flatten, so a state dict saved with "
+                "DefaultSavePlanner(flatten_state_dict=False) is one object; save with the "
+                "default planner, or convert the folder with torch.distributed.checkpoint."
+                "format_utils.dcp_to_torch_save and load the file it writes"
             )
+            raise CorruptModelCheckpointError(
+                meta_path, f"holds no tensor, only pickled objects ({shown}): {why}"
+            )
+        what = "Megatron's ShardedObject" if megatron else "a pickled object"
         for fqn, md in tensors.items():
             if isinstance(md, _BytesStorageMetadata):
-                notes.append(
-                    f"skipped {fqn!r}: a pickled object, not a tensor (a nested state dict saved "
-                    "with flatten_state_dict=False is one)"
-                )
+                notes.append(f"skipped {fqn!r}: {what}, not a tensor")
                 continue
             target = rules.target(fqn) if isinstance(fqn, str) else None
             if target is None:
@@ -396,8 +472,8 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             path=folder,
             format=self.name,
             entries=entries,
-            files=[meta_path, *(p for p, _ in files.values())],
-            metadata_files=[meta_path],
+            files=[*meta_paths, *(p for p, _ in files.values())],
+            metadata_files=meta_paths,
             source_layout=f"{len(files)} .distcp file(s), "
             f"{sum(len(e.chunks) for e in entries.values())} chunks",
             notes=notes,
@@ -424,10 +500,12 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             )
         offset, length = span
         if getattr(info, "transform_descriptors", None):
-            raise CorruptModelCheckpointError(
+            raise UnknownCheckpointFormatError(
                 meta_path,
-                f"key {fqn!r} is stored with transforms {info.transform_descriptors} "
-                "(compression or encryption), which lazyckpt cannot read in place",
+                f"key {fqn!r} is stored with transforms {info.transform_descriptors} (the "
+                "writer's _extensions: compression or encryption), which lazyckpt cannot read in "
+                "place; save without _extensions, or convert the folder with torch.distributed."
+                "checkpoint.format_utils.dcp_to_torch_save and load the file it writes",
                 key=fqn,
             )
         if rel not in files:
@@ -473,7 +551,7 @@ def _locate(
             shapes=shapes,
         )
     except CorruptModelCheckpointError as exc:
-        if offset == 0 and _is_safetensors(file):
+        if _is_safetensors(file, offset):
             raise _safetensors_format(file) from None
         raise CorruptModelCheckpointError(
             file, f"key {fqn!r}: the chunk at byte {offset}: {exc.detail}", key=fqn
