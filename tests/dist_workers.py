@@ -321,6 +321,16 @@ def save_odd_dcp(rank: int, world: int, kind: str, out: str, collectives: bool =
     dcp.save(model.state_dict(), checkpoint_id=out, use_collectives=collectives)
 
 
+def save_odd_hf_pieces(rank: int, world: int, out: str) -> None:
+    """``dcp.save`` of an FSDP2 ``OddModel`` through ``HuggingFaceStorageWriter(save_distributed=
+    True)``: a safetensors file per rank holding its pieces."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model, _ = build_odd("fsdp2", world, init=odd_model_truth())
+    dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
+
+
 def check_load_into(rank: int, world: int, kind: str, src: str, meta: bool) -> None:
     """``load_into`` a ``kind`` model, then every ``full_tensor()`` must equal the truth; and
     ``lazy_load`` with the model's mesh must yield DTensors that agree too."""

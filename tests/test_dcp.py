@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_workers import ODD_TP_DIMS, odd_model_truth, save_odd_dcp, spawn
+from dist_workers import ODD_TP_DIMS, odd_model_truth, save_odd_dcp, save_odd_hf_pieces, spawn
 from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
 
 import lazyckpt
@@ -317,3 +317,20 @@ def test_a_pickled_item_is_noted_as_one_without_a_wrong_guess(tmp_path: Path) ->
     dcp.save({"w": torch.ones(2), "step": 5}, checkpoint_id=tmp_path / "ck", no_dist=True)
     index = lazyckpt.loaders.detect_loader(tmp_path / "ck").index(tmp_path / "ck")
     assert index.notes == ["skipped 'step': a pickled object, not a tensor"]
+
+
+def test_a_ranks_pieces_in_hugging_face_format_are_not_taken_for_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """``HuggingFaceStorageWriter(save_distributed=True)`` writes each rank's pieces to a
+    safetensors file, with their offsets in its ``__metadata__`` (``DCP_SHARDING_INFO``) and no
+    record of the full shapes. A rank's file was loaded as if its pieces were whole tensors (the
+    folder's error advised passing one); both are refused, naming the way to consolidate."""
+    folder = tmp_path / "hf-pieces"
+    spawn(save_odd_hf_pieces, 2, str(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 2
+    for path in (folder, *files):
+        with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="consolidate") as err:
+            lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})
+        assert "DCP_SHARDING_INFO" in str(err.value)

@@ -16,7 +16,7 @@ from typing import Any, final
 
 import torch
 
-from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.errors import CorruptModelCheckpointError, UnknownCheckpointFormatError
 from lazyckpt.index import (
     MAX_INT64,
     CheckpointIndex,
@@ -167,6 +167,11 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     return header, 8 + n, size
 
 
+_DCP_PIECES = "DCP_SHARDING_INFO"
+"""The ``__metadata__`` entry of a file from ``HuggingFaceStorageWriter(save_distributed=True)``:
+where each of its tensors lies in the full one."""
+
+
 def _read_file(path: Path) -> list[FileTensor]:
     header, data_start, size = read_safetensors_header(path)
     data_len = size - data_start
@@ -176,6 +181,16 @@ def _read_file(path: Path) -> list[FileTensor]:
     ):
         raise CorruptModelCheckpointError(
             path, "header's __metadata__ must be an object of strings"
+        )
+    if meta is not None and _DCP_PIECES in meta:
+        raise UnknownCheckpointFormatError(
+            path,
+            "holds one rank's pieces of a torch.distributed.checkpoint save written by "
+            f"HuggingFaceStorageWriter(save_distributed=True): its __metadata__'s {_DCP_PIECES} "
+            "gives their offsets in tensors whose shapes no file records, so a rank's file is "
+            "not a checkpoint, nor are its files together; save with enable_consolidation=True, "
+            "or join the files with torch.distributed.checkpoint._consolidate_hf_safetensors."
+            "consolidate_safetensors_files and load what it writes",
         )
     parsed = []
     bad: list[CorruptModelCheckpointError] = []
