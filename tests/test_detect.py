@@ -132,3 +132,16 @@ def test_a_hugging_face_trainer_checkpoint_folder(tmp_path: Path, weights: str) 
     (tmp_path / "trainer_state.json").write_text("{}")
     got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}))
     assert list(got) == ["w"] and torch.equal(got["w"], w)
+
+
+def test_a_megatron_lm_checkpoint_root_names_its_latest_iteration(tmp_path: Path) -> None:
+    # Megatron-LM saves each iteration in iter_NNNNNNN/ beside a tracker file: its root got
+    # the generic "holds no checkpoint files".
+    latest = tmp_path / "iter_0000020"
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=latest, no_dist=True)
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=tmp_path / "iter_0000010", no_dist=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="Megatron-LM checkpoint root") as err:
+        detect_loader(tmp_path)
+    assert str(latest) in str(err.value)
+    assert detect_loader(latest).name == "dcp"

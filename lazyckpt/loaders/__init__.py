@@ -129,12 +129,31 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
         return SAFETENSORS
     if loose_pt:
         return TORCH
+    if _MEGATRON_TRACKER in names:
+        raise UnknownCheckpointFormatError(
+            p, f"is a Megatron-LM checkpoint root: pass one of its iteration folders{_latest(p)}"
+        )
     raise UnknownCheckpointFormatError(
         p,
         "holds no checkpoint files: expected *.safetensors, *.pt/.pth/.bin, an *.index.json, "
         "consolidated.NN.pth, tp_XX/ shards or a DCP .metadata"
         + (" (the folder is empty)" if not names else ""),
     )
+
+
+_MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""What Megatron-LM writes at the root of its checkpoints, beside an ``iter_NNNNNNN`` folder per
+save: the iteration of the latest (or ``release``)."""
+
+
+def _latest(root: Path) -> str:
+    """`` (the latest: FOLDER)`` as the root's tracker names it, if that folder is there."""
+    try:
+        text = (root / _MEGATRON_TRACKER).read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    name = f"iter_{int(text):07d}" if text.isdigit() else text
+    return f" (the latest: {root / name})" if name and (root / name).is_dir() else ""
 
 
 @final
