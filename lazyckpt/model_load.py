@@ -151,8 +151,8 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     """The box of the global tensor that this process holds for ``target``.
 
     For ``Shard``/``Replicate`` placements, and FSDP2's ``_StridedShard`` over TP on the same
-    dim, it is worked out by :func:`mesh_box`; other placements, or a rank outside the mesh, ask
-    torch's ``compute_local_shape_and_global_offset``. Either way the box is cached by (shape,
+    dim, it is worked out by :func:`mesh_box`; other placements ask torch's
+    ``compute_local_shape_and_global_offset``, and a rank outside the mesh holds nothing. Either way the box is cached by (shape,
     mesh, placements): layers repeat them, and working a box out costs ~10 us, a millisecond
     for a model's keys. ``Partial`` holds partial sums, which no box of the checkpoint gives:
     refused."""
@@ -166,7 +166,9 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     if box is None:
         plan = _mesh_plan(name, placements, tuple(mesh.shape))
         coordinate = mesh.get_coordinate()
-        if plan is not None and coordinate is not None:
+        if coordinate is None:  # a mesh without this rank (another pipeline stage's): no shard
+            box = Box((0,) * len(shape), (0,) * len(shape))
+        elif plan is not None:
             box = mesh_box(shape, mesh.shape, coordinate, *plan)
         else:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -534,12 +536,14 @@ def _install_materialized(
     for key, target in targets.items():
         old = target.tensor
         if old.is_meta and not target.is_dtensor and key in dests and id(old) not in replaced:
-            data = dests[key]
-            replaced[id(old)] = (
-                nn.Parameter(data, requires_grad=old.requires_grad)
-                if isinstance(old, nn.Parameter)
-                else data
-            )
+            made = dests[key]
+            if isinstance(old, nn.Parameter):
+                made = nn.Parameter(made, requires_grad=old.requires_grad)
+                # Attributes set on the parameter (Megatron tags its TP layout so:
+                # ``tensor_model_parallel``, ``partition_dim``) come along; its class, as with
+                # ``load_state_dict(assign=True)``, does not.
+                made.__dict__.update(old.__dict__)
+            replaced[id(old)] = made
     for target in targets.values():
         new = replaced.get(id(target.tensor))
         if new is None:

@@ -469,3 +469,21 @@ def check_load_into_empty_tp_shard(rank: int, world: int, src: str) -> None:
     lazyckpt.load_into(model, src)
     got = model[0].weight.to_local()
     assert got.shape == want.shape and torch.equal(got, want), (rank, got, want)
+
+
+def check_load_into_a_mesh_without_this_rank(rank: int, world: int, src: str) -> None:
+    """A parameter on a mesh of ranks 0 and 1 only (a pipeline stage's): those ranks get their
+    shards, the others hold none and read nothing (they raised a malformed-box error)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import lazyckpt
+
+    truth = torch.load(src, weights_only=True)["w"]
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(torch.zeros(5, 3), DeviceMesh("cpu", [0, 1]), [Shard(0)]))
+    report = lazyckpt.load_into(model, src)
+    assert report.loaded == ["w"], report
+    want = torch.chunk(truth, 2, 0)[rank] if rank < 2 else torch.empty(0)
+    got = model.w.to_local()
+    assert got.numel() == want.numel() and torch.equal(got.reshape(want.shape), want), (rank, got)

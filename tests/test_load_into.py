@@ -12,6 +12,7 @@ import torch
 from dist_workers import (
     OddModel,
     check_load_into,
+    check_load_into_a_mesh_without_this_rank,
     check_load_into_empty_tp_shard,
     check_load_into_matches_torch_sharding,
     check_load_into_unsharded,
@@ -95,6 +96,21 @@ def test_meta_model_materializes_on_the_target_device(sources: dict[str, Path]) 
     for name, t in model.state_dict().items():
         assert t.device.type == "cpu" and same_bits(t, truth[name]), name
     assert isinstance(model.up.weight, nn.Parameter) and model.up.weight.requires_grad
+
+
+def test_a_meta_parameters_attributes_come_along(sources: dict[str, Path]) -> None:
+    # Megatron-style tags on a parameter (its TP layout) were lost with the meta tensor.
+    with torch.device("meta"):
+        model = OddModel()
+    model.up.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+    model.up.weight.partition_dim = 0  # type: ignore[attr-defined]
+    model.down.bias.requires_grad_(False)
+    lazyckpt.load_into(model, sources["pt"])
+    assert not model.up.weight.is_meta
+    assert model.up.weight.tensor_model_parallel is True  # type: ignore[attr-defined]
+    assert model.up.weight.partition_dim == 0  # type: ignore[attr-defined]
+    assert not hasattr(model.up.bias, "partition_dim")
+    assert not model.down.bias.requires_grad and model.up.bias.requires_grad
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
@@ -411,6 +427,11 @@ def test_mesh_and_placements_without_a_spec() -> None:
 def test_an_empty_tp_shard_under_fsdp2_is_left_empty(tmp_path: Path) -> None:
     torch.save({"0.weight": torch.arange(4.0).reshape(4, 1)}, tmp_path / "full.pt")
     spawn(check_load_into_empty_tp_shard, 4, str(tmp_path / "full.pt"))
+
+
+def test_a_rank_outside_a_parameters_mesh_holds_nothing_and_reads_nothing(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(15.0).reshape(5, 3)}, tmp_path / "full.pt")
+    spawn(check_load_into_a_mesh_without_this_rank, 3, str(tmp_path / "full.pt"))
 
 
 _OLD_DTENSOR_CHILD = """
