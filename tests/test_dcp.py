@@ -334,3 +334,22 @@ def test_a_ranks_pieces_in_hugging_face_format_are_not_taken_for_a_checkpoint(
         with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="consolidate") as err:
             lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})
         assert "DCP_SHARDING_INFO" in str(err.value)
+
+
+def test_rank_metadata_that_do_not_belong_to_one_save_are_refused(
+    dcp_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """Each rank's ``__N.metadata`` gives the full shape of every tensor: two that disagree are
+    not one save's (one rank's file left from another save), and joining them would misplace
+    chunks."""
+    import pickle
+    import shutil
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(dcp_saves["fsdp2-rank-local"], folder)
+    meta = pickle.loads((folder / "__1.metadata").read_bytes())  # torch's own classes
+    meta.state_dict_metadata["embed.weight"].size = torch.Size([54, 6])
+    (folder / "__1.metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="do not belong to one save") as err:
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+    assert err.value.key == "embed.weight" and err.value.path == folder / "__1.metadata"

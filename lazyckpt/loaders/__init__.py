@@ -152,7 +152,7 @@ def _latest(root: Path) -> str:
         text = (root / _MEGATRON_TRACKER).read_text(errors="replace").strip()
     except OSError:
         return ""
-    name = f"iter_{int(text):07d}" if text.isdigit() else text
+    name = f"iter_{int(text):07d}" if text.isdecimal() else text
     return f" (the latest: {root / name})" if name and (root / name).is_dir() else ""
 
 

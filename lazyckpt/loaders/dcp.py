@@ -300,6 +300,10 @@ def holds_set(folder: Path, names: list[str]) -> bool:
     return bool(metadata_paths(folder, names))
 
 
+def _chunk_place(chunk: Any) -> tuple[Any, ...]:
+    return _ints(getattr(chunk, "offsets", None)), _ints(getattr(chunk, "sizes", None))
+
+
 def _merged(metas: list[Any], paths: list[Path]) -> Any:
     """One ``Metadata`` for the rank-local ones of a save made with ``use_collectives=False``.
     Each rank listed its own chunks, and a replicated tensor's chunk is in every rank's file
@@ -316,8 +320,8 @@ def _merged(metas: list[Any], paths: list[Path]) -> Any:
         for fqn, md in tensors.items():
             have = out.state_dict_metadata.get(fqn)
             if have is None:
-                if isinstance(md.chunks, list):  # extended below: this file's list stays as read
-                    md.chunks = list(md.chunks)
+                if isinstance(getattr(md, "chunks", None), list):  # extended below: a copy
+                    md.__dict__["chunks"] = list(md.chunks)
                 out.state_dict_metadata[fqn] = md
                 first[fqn] = path
                 continue
@@ -336,8 +340,8 @@ def _merged(metas: list[Any], paths: list[Path]) -> Any:
                     f"against {have!r}); the ranks' metadata do not belong to one save",
                     key=fqn,
                 )
-            known = {(_ints(c.offsets), _ints(c.sizes)) for c in have.chunks}
-            have.chunks += [c for c in md.chunks if (_ints(c.offsets), _ints(c.sizes)) not in known]
+            known = {_chunk_place(c) for c in have.chunks}
+            have.chunks += [c for c in md.chunks if _chunk_place(c) not in known]
         for k, info in storage.items():
             where = (getattr(k, "fqn", None), _ints(getattr(k, "offset", None)))
             if where not in taken:
