@@ -154,8 +154,8 @@ def _box(name: str, target: _Target, cache: dict[tuple[Any, ...], Box]) -> Box:
     dim, it is worked out by :func:`mesh_box`; other placements ask torch's
     ``compute_local_shape_and_global_offset``, and a rank outside the mesh holds nothing. The
     box is cached by (shape, mesh, placements): layers repeat them, and working a box out costs
-    ~10 us, a millisecond for a model's keys. ``Partial`` holds partial sums, which no box of the checkpoint gives:
-    refused."""
+    ~10 us, a millisecond for a model's keys. ``Partial`` holds partial sums, which no box of
+    the checkpoint gives: refused."""
     shape = target.global_shape
     if not target.is_dtensor:
         return Box((0,) * len(shape), shape)
