@@ -8,14 +8,18 @@ path at fault, so a caller can tell "this file is broken" apart from "I called t
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 __all__ = [
     "CorruptModelCheckpointError",
     "ModelCheckpointError",
     "ShardDimsWarning",
     "UnknownCheckpointFormatError",
+    "warn",
 ]
 
 
@@ -65,3 +69,17 @@ class UnknownCheckpointFormatError(CorruptModelCheckpointError):
 class ShardDimsWarning(UserWarning):
     """``shard_dims`` name none of a checkpoint's keys where splitting matters (a TP target, or
     a model-parallel set): rarely meant, as when a preset's Meta names meet Hugging Face's."""
+
+
+_INSIDE = ("lazyckpt", "contextlib")
+"""Modules whose frames a warning skips: lazyckpt's own, and those of the context managers it
+decorates functions with."""
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn``, pointed at the first caller outside lazyckpt (whichever way the
+    library was entered: the detecting loader or a format's, ``load_into``'s decorators)."""
+    level, frame = 1, cast("FrameType | None", sys._getframe())
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INSIDE:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

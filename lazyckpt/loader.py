@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from types import FrameType
-from typing import cast, final
+from typing import final
 
 import torch
 
 from lazyckpt import alloc, cow
 from lazyckpt.build import PinnedPool, build_tensor, output_dtype
 from lazyckpt.deliver import Deliverer
-from lazyckpt.errors import CorruptModelCheckpointError, ShardDimsWarning
+from lazyckpt.errors import CorruptModelCheckpointError, ShardDimsWarning, warn
 from lazyckpt.gcpause import gc_paused
 from lazyckpt.index import CheckpointIndex, FileStamp, stamped
 from lazyckpt.load_plan import TensorPlan, check_shard_dims, plan_load
@@ -208,16 +205,11 @@ def _warn_if_nothing_split(index: CheckpointIndex, shard_dims: Mapping[str, int]
         )
     else:
         what = f"each of the {tp} TP ranks gets every tensor whole"
-    # Pointed at the first caller outside lazyckpt (through the detecting loader or not).
-    level, frame = 1, cast("FrameType | None", sys._getframe())
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "lazyckpt":
-        level, frame = level + 1, frame.f_back
-    warnings.warn(
+    warn(
         f"{index.path}: shard_dims names none of its {len(index.entries)} keys, so {what}. "
         "Name keys as the checkpoint does (after key_map); the presets use Meta's names "
         "('layers.0.attention.wq.weight')",
         ShardDimsWarning,
-        stacklevel=level,
     )
 
 

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from lazyckpt import alloc
-from lazyckpt.build import PinnedPool, fill_all
+from lazyckpt.build import PinnedPool, fill_all, same_bits
 from lazyckpt.claims import Footprint, footprint, overlap
-from lazyckpt.errors import ModelCheckpointError
+from lazyckpt.errors import ModelCheckpointError, warn
 from lazyckpt.gcpause import gc_paused
 from lazyckpt.imported import fsdp_module_class, is_dtensor
+from lazyckpt.index import FileRegion, TensorEntry
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, plan_load
 from lazyckpt.loaders import detect_loader
@@ -358,7 +359,9 @@ def load_into(
         verify_max_bytes=options.verify_replicas_max_bytes,
         boxes=boxes,
     )
+    ties: list[tuple[TensorPlan, str]] = []
     if shadowed:  # two reads into one tensor would race (the threads take reads from both ends)
+        ties = _ties_to_compare(plans, shadowed, targets, index.entries, options)
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
     destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
@@ -382,6 +385,8 @@ def load_into(
         bar,
     ):
         fill_all(plans, destinations, reader, pool=pool, done=done)
+        if ties:
+            _compare_ties(index.path, ties, destinations, reader, pool)
         if pool is not None:
             pool.synchronize()
     _install_materialized(targets, destinations)
@@ -441,6 +446,80 @@ def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list
     copies in that order, so the last one is what it leaves."""
     last = {t.memory: key for key, t in targets.items() if key in loaded}
     return [key for key in loaded if last[targets[key].memory] != key]
+
+
+def _ties_to_compare(
+    plans: Sequence[TensorPlan],
+    shadowed: Sequence[str],
+    targets: Mapping[str, _Target],
+    entries: Mapping[str, TensorEntry],
+    options: ModelCheckpointLoadOptions,
+) -> list[tuple[TensorPlan, str]]:
+    """The shadowed keys to read and compare with the key that fills their tensor, each as
+    (its plan, that key): a checkpoint that holds a tied weight under both names with other
+    values (saved untied) would otherwise lose one without a word, where Hugging Face's
+    ``from_pretrained`` warns. Not where both names are the same bytes of the file (a torch
+    file of a tied model), nor beyond ``verify_replicas_max_bytes``, as with replicas."""
+    if not options.verify_replicas:
+        return []
+    winner = {t.memory: key for key, t in targets.items() if key in entries}  # as _shadowed
+    chosen = set(shadowed)
+    out = []
+    for plan in plans:
+        if plan.key not in chosen or plan.nbytes > options.verify_replicas_max_bytes:
+            continue
+        other = winner[targets[plan.key].memory]
+        if not _same_bytes(entries[plan.key], entries[other]):
+            out.append((plan, other))
+    return out
+
+
+def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
+    """Whether two keys are stored as the same bytes of one file (one storage saved under both
+    names)."""
+    return (
+        a.dtype == b.dtype
+        and len(a.chunks) == len(b.chunks)
+        and all(
+            ca.offsets == cb.offsets and ca.sizes == cb.sizes and _same_place(ca.data, cb.data)
+            for ca, cb in zip(a.chunks, b.chunks)
+        )
+    )
+
+
+def _same_place(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    return (
+        isinstance(a, FileRegion)
+        and isinstance(b, FileRegion)
+        and (a.path, a.byte_offset, a.strides) == (b.path, b.byte_offset, b.strides)
+    )
+
+
+def _compare_ties(
+    path: os.PathLike[str],
+    ties: Sequence[tuple[TensorPlan, str]],
+    destinations: Mapping[str, torch.Tensor],
+    reader: Reader,
+    pool: PinnedPool | None,
+) -> None:
+    """Read each shadowed key as its tensor would hold it and warn where it differs."""
+    got = {
+        plan.key: torch.empty_like(destinations[other], memory_format=torch.contiguous_format)
+        for plan, other in ties
+    }
+    fill_all([plan for plan, _ in ties], got, reader, pool=pool)
+    if pool is not None:
+        pool.synchronize()
+    for plan, other in ties:
+        if not same_bits(got[plan.key], destinations[other]):
+            warn(
+                f"{path}: the model ties {plan.key!r} to {other!r}, and the checkpoint holds "
+                f"them with different values (saved untied): {other!r} was loaded, as "
+                "load_state_dict leaves it, and the tensor does not hold the checkpoint's "
+                f"{plan.key!r}; untie them in the model to load both"
+            )
 
 
 def _refuse_overlaps(keys: Sequence[str], targets: Mapping[str, _Target]) -> None:

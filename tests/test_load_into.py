@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -227,30 +228,58 @@ class _Tied(nn.Module):
 def test_a_checkpoint_holding_both_names_of_a_tied_weight(tmp_path: Path, meta: bool, fmt: str) -> None:
     # Both keys fill one tensor: the one later in the model's state dict wins, as
     # load_state_dict leaves it (safetensors stores keys sorted by name, so file order is not
-    # it), and the other is not read (two reads into one tensor would race between threads).
+    # it). The other is read apart and compared (two reads into one tensor would race between
+    # threads): saved untied, with other values, the checkpoint's is lost, and a warning says
+    # so (it was lost without a word, where Hugging Face's from_pretrained warns).
     sd = {"z_embed.weight": torch.full((4096, 64), 1.0), "a_head.weight": torch.full((4096, 64), 2.0)}
     path = tmp_path / f"both.{fmt}"
     save_file(sd, path) if fmt == "safetensors" else torch.save(sd, path)
+    same = tmp_path / f"same.{fmt}"
+    equal = {k: torch.full((4096, 64), 2.0) for k in sd}
+    save_file(equal, same) if fmt == "safetensors" else torch.save(equal, same)
     want = _Tied()
     want.load_state_dict(sd)
-    for _ in range(3):
+    for source, differ in ((path, True), (same, False)):
         if meta:
             with torch.device("meta"):
                 model = _Tied()
         else:
             model = _Tied()
         stats = lazyckpt.LoadStats()
-        report = lazyckpt.load_into(model, path, options=lazyckpt.ModelCheckpointLoadOptions(stats=stats))
+        options = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            report = lazyckpt.load_into(model, source, options=options)
+        said = [w for w in seen if "ties 'z_embed.weight'" in str(w.message)]
+        assert len(said) == differ and all(w.filename == __file__ for w in said), said
         assert report.loaded == ["a_head.weight"] and report.tied == ["z_embed.weight"], report
         assert model.a_head.weight is model.z_embed.weight
         assert torch.equal(model.z_embed.weight, want.z_embed.weight)
-        assert stats.total_bytes_read == sd["a_head.weight"].nbytes
+        assert stats.total_bytes_read == 2 * sd["a_head.weight"].nbytes  # both names read
+
+
+def test_tied_names_are_compared_only_where_they_are_other_bytes_and_small(tmp_path: Path) -> None:
+    # torch.save of a tied model stores one storage under both names: nothing to compare. A
+    # key beyond verify_replicas_max_bytes is not compared, as replicas are not.
+    tied = _Tied()
+    torch.save(tied.state_dict(), tmp_path / "tied.pt")
+    sd = {"z_embed.weight": torch.full((4096, 64), 1.0), "a_head.weight": torch.full((4096, 64), 2.0)}
+    save_file(sd, tmp_path / "untied.safetensors")
+    nbytes = sd["a_head.weight"].nbytes
+    for source, limit in (("tied.pt", 16 << 20), ("untied.safetensors", nbytes - 1)):
+        stats = lazyckpt.LoadStats()
+        options = lazyckpt.ModelCheckpointLoadOptions(stats=stats, verify_replicas_max_bytes=limit)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lazyckpt.load_into(_Tied(), tmp_path / source, options=options)
+        assert stats.total_bytes_read == nbytes, source
 
 
 def test_two_parameters_over_one_tensor_are_tied(tmp_path: Path) -> None:
     # nn.Parameter(t) twice: two objects, one storage. With both names in the checkpoint and
     # different values, load_into wrote both at once (the two threads): a torn mix, or either
-    # value, run to run. As load_state_dict: the later key's values, the other tied, not read.
+    # value, run to run. As load_state_dict: the later key's values, the other tied, read apart
+    # to be compared, and its loss told.
     class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -264,10 +293,11 @@ def test_two_parameters_over_one_tensor_are_tied(tmp_path: Path) -> None:
     want.load_state_dict(torch.load(tmp_path / "m.pt"))
     for _ in range(3):
         model = Shared()
-        report = lazyckpt.load_into(model, tmp_path / "m.pt")
+        with pytest.warns(UserWarning, match="ties 'a' to 'b'"):
+            report = lazyckpt.load_into(model, tmp_path / "m.pt")
         assert report.loaded == ["b"] and report.tied == ["a"]
         assert torch.equal(model.a, want.a) and torch.equal(model.b, want.b)
-        assert report.stats.total_bytes_read == sd["b"].nbytes
+        assert report.stats.total_bytes_read == 2 * sd["b"].nbytes
 
 
 def test_overlapping_views_of_one_buffer_are_refused_and_interleaved_ones_load(
