@@ -34,7 +34,7 @@ from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError, S
 from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
-from lazyckpt.loader import SPLITS_UNRECORDED, IndexedCheckpointLoader
+from lazyckpt.loader import IndexedCheckpointLoader, read_as_replicas
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.plan import element_offset, span
@@ -236,7 +236,7 @@ def _warn_no_dims(choice: ShardDimsChoice, index: CheckpointIndex, tp: int = 1) 
             )
     if choice.concrete(list(index.entries)):
         return
-    if index.format in SPLITS_UNRECORDED and len(index.files) > 1:
+    if read_as_replicas(index):
         _note(
             f"no shard dims: {index.format} files do not record how keys are split, so each "
             "key is taken as a replica; pass --shard-dims "

@@ -189,13 +189,20 @@ SPLITS_UNRECORDED = ("fairscale", "fairseq2")
 """Model-parallel formats whose files do not record how a key is split across them."""
 
 
+def read_as_replicas(index: CheckpointIndex) -> bool:
+    """Whether ``index`` is of a model-parallel set whose files do not record how keys are
+    split, and holds keys of which several TP files have a copy: read as replicas, they are
+    split keys if ``shard_dims`` left them out (a set of TP 1 has none)."""
+    return index.format in SPLITS_UNRECORDED and any(len(e.copies) > 1 for e in index)
+
+
 def _warn_if_nothing_split(index: CheckpointIndex, shard_dims: Mapping[str, int], tp: int) -> None:
     """Warn where ``shard_dims`` names none of the checkpoint's keys but splitting matters: a
     TP target, or a model-parallel set (whose files do not record how keys are split). Rarely
     meant: a preset's Meta names given a Hugging Face checkpoint give ``{}``, and then every
     TP rank gets every tensor whole, or each key of the set is read as a replica from one rank
     file (compared with its other copies only up to ``verify_replicas_max_bytes``)."""
-    several = index.format in SPLITS_UNRECORDED and len(index.files) > 1
+    several = read_as_replicas(index)
     if not (tp > 1 or several) or (shard_dims and any(k in shard_dims for k in index.entries)):
         return
     if several:

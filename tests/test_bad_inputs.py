@@ -1268,6 +1268,32 @@ def test_shard_dims_that_name_no_key_are_warned_of_where_splitting_matters(tmp_p
         assert len(list(loader.lazy_load(mp, MP_DIMS))) == 3
 
 
+def test_a_fairseq2_set_without_tensor_parallelism_is_not_warned_of(tmp_path: Path) -> None:
+    """SDP shards (dim 0) and pipeline stages need no shard_dims: only copies in several TP
+    files are read as replicas, and only they are warned of."""
+    full = {"w": torch.arange(24.0).reshape(8, 3), "b": torch.arange(4.0)}
+    (tmp_path / "sdp" / "tp_00").mkdir(parents=True)
+    for r in range(2):
+        shard = {k: torch.chunk(v, 2, 0)[r].clone() for k, v in full.items()}
+        torch.save(shard, tmp_path / "sdp" / "tp_00" / f"sdp_{r:02d}.pt")
+    for s, k in enumerate(full):
+        (tmp_path / "pp" / f"pp_{s:02d}" / "tp_00").mkdir(parents=True)
+        torch.save({k: full[k]}, tmp_path / "pp" / f"pp_{s:02d}" / "tp_00" / "sdp_00.pt")
+    for r in range(2):
+        (tmp_path / "tp" / f"tp_{r:02d}").mkdir(parents=True)
+        torch.save({"w": torch.chunk(full["w"], 2, 0)[r].clone(), "b": full["b"]},
+                   tmp_path / "tp" / f"tp_{r:02d}" / "sdp_00.pt")
+    loader = lazyckpt.get_model_checkpoint_loader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("sdp", "pp"):
+            got = dict(loader.lazy_load(tmp_path / name, {}))
+            assert all(torch.equal(got[k], full[k]) for k in full), name
+        assert torch.equal(dict(loader.lazy_load(tmp_path / "tp", {"w": 0}))["w"], full["w"])
+    with pytest.warns(lazyckpt.ShardDimsWarning, match="TP-2"):
+        loader.lazy_load(tmp_path / "tp", {}, lazyckpt.ModelCheckpointLoadOptions(verify_replicas=False))
+
+
 @pytest.mark.parametrize("dim", [2, -3, 7])
 def test_mp_shard_dim_out_of_range(tmp_path: Path, dim: int) -> None:
     folder = write_mp(tmp_path / "mp_set", mp_shards(2))

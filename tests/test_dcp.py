@@ -353,3 +353,52 @@ def test_rank_metadata_that_do_not_belong_to_one_save_are_refused(
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="do not belong to one save") as err:
         lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
     assert err.value.key == "embed.weight" and err.value.path == folder / "__1.metadata"
+
+
+def test_a_rank_local_save_missing_a_ranks_metadata_is_refused(
+    dcp_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A rank that died leaves its data and no ``__N.metadata``: its keys (a pipeline stage's)
+    were dropped without a word, or its chunks blamed on another file."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(dcp_saves["fsdp2-rank-local"], folder)
+    (folder / "__1.metadata").unlink()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"lacks __1\.metadata"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+    (folder / "__1_0.distcp").unlink()  # rank 1 wholly gone: the numbering still shows it
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"lacks __1\.metadata"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+
+
+def test_a_metadata_older_than_rank_metadata_beside_it_is_refused(tmp_path: Path) -> None:
+    """torch saves over an earlier save without removing its metadata: a ``.metadata`` left
+    from a collective save describes other bytes than a ``use_collectives=False`` save made
+    over it (the new keys were dropped, the old ones read at old offsets)."""
+    folder = tmp_path / "ck"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=folder, no_dist=True)
+    new = {"w": torch.arange(6.0) * 10, "new": torch.ones(3)}
+    dcp.save(new, checkpoint_id=folder, no_dist=True, use_collectives=False)
+    assert (folder / ".metadata").exists() and (folder / "__0.metadata").exists()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="stale metadata"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+    (folder / ".metadata").unlink()
+    got = load_all(folder)
+    assert set(got) == set(new) and all(same_bits(got[k], t) for k, t in new.items())
+
+
+def test_a_hugging_face_folder_written_by_dcp_loads(tmp_path: Path) -> None:
+    # HuggingFaceStorageWriter puts DCP_SHARDING_INFO (offsets 0) in every file it writes;
+    # without save_distributed the files hold whole tensors and an index: a checkpoint.
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    truth = odd_model_truth()
+    dcp.save(truth, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "hf")), no_dist=True)
+    files = list((tmp_path / "hf").glob("*.safetensors"))
+    assert files and all(b"DCP_SHARDING_INFO" in f.read_bytes()[:4096] for f in files)
+    for layout in LAYOUTS:
+        got = load_all(tmp_path / "hf", ODD_TP_DIMS, layout=layout)
+        assert set(got) == set(truth)
+        for key, t in truth.items():
+            assert same_bits(got[key], expected(t, ODD_TP_DIMS.get(key), layout)), key

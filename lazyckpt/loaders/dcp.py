@@ -213,7 +213,7 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
     return meta
 
 
-def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
+def _check_disjoint(meta_path: Path, folder: Path, storage: dict[Any, Any]) -> None:
     """Every storage entry has its own bytes: two entries of one file whose windows overlap
     would read one chunk as another (of the same shape and dtype, nothing else would tell)."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
@@ -229,8 +229,8 @@ def _check_disjoint(meta_path: Path, storage: dict[Any, Any]) -> None:
         for (a0, a1, a), (b0, b1, b) in itertools.pairwise(windows):
             # The SAFETENSORS format points every tensor at its file's safetensors blob (after
             # any pickled items): the windows overlap where the blob starts.
-            if b0 < a1 and any(_is_safetensors(meta_path.parent / rel, at) for at in (a0, b0)):
-                raise _safetensors_format(meta_path.parent / rel)
+            if b0 < a1 and any(_is_safetensors(folder / rel, at) for at in (a0, b0)):
+                raise _safetensors_format(folder / rel)
             if b0 < a1:
                 raise CorruptModelCheckpointError(
                     meta_path,
@@ -282,6 +282,9 @@ _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 the metadata of its own chunks."""
 
 
+_RANK_DATA = re.compile(r"__(\d+)_\d+\.distcp")
+
+
 def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
     """The metadata files of the DCP save in ``folder``: its ``.metadata``, else every rank's
     ``__N.metadata`` in rank order; none if it holds neither."""
@@ -293,6 +296,43 @@ def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
         if m is not None and (folder / n).is_file():
             ranks.append((int(m.group(1)), folder / n))
     return [p for _, p in sorted(ranks)]
+
+
+def _check_rank_metadata(folder: Path, meta_paths: list[Path]) -> None:
+    """A save's metadata must be whole and current. Each rank of a ``use_collectives=False``
+    save writes its own ``__N.metadata``: one missing (a rank that died) would drop that
+    rank's keys without a word. And torch saves into a folder over an earlier save without
+    removing its metadata: a ``.metadata`` older than ``__N.metadata`` beside it describes
+    another save's bytes."""
+    names = os.listdir(folder)
+    local = sorted(
+        (int(m.group(1)), n) for n in names if (m := _RANK_METADATA.fullmatch(n)) is not None
+    )
+    if meta_paths == [folder / METADATA]:
+        if local:
+            stamp = (folder / METADATA).stat().st_mtime_ns
+            newer = [n for _, n in local if (folder / n).stat().st_mtime_ns > stamp]
+            if newer:
+                raise CorruptModelCheckpointError(
+                    folder,
+                    f"holds a .metadata and, newer, {newer[0]}: a save with "
+                    "use_collectives=False was made over an earlier one, whose .metadata "
+                    "describes other bytes; remove the stale metadata (or save into an empty "
+                    "folder)",
+                )
+        return
+    have = {r for r, _ in local}
+    want = set(range(max(have) + 1)) | {
+        int(m.group(1)) for n in names if (m := _RANK_DATA.fullmatch(n)) is not None
+    }
+    if want - have:
+        r = min(want - have)
+        raise CorruptModelCheckpointError(
+            folder,
+            f"lacks __{r}.metadata, rank {r}'s part of a save made with use_collectives=False "
+            f"(each rank writes its own; {len(have)} of them are here): the save did not "
+            "finish, or a file was lost; save again",
+        )
 
 
 def holds_set(folder: Path, names: list[str]) -> bool:
@@ -367,6 +407,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
     ) -> CheckpointIndex:
         folder = path.parent if path.is_file() else path
         meta_paths = metadata_paths(folder) or [folder / METADATA]  # (missing: said when read)
+        _check_rank_metadata(folder, meta_paths)
         metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
         # Errors about the metadata name its file, or the folder for the ranks' files together.
         meta_path = meta_paths[0] if len(meta_paths) == 1 else folder
@@ -382,7 +423,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
             fqn, offset = getattr(k, "fqn", None), _ints(getattr(k, "offset", None))
             if isinstance(fqn, str) and offset is not None:
                 where[(fqn, offset)] = info
-        _check_disjoint(meta_path, storage)
+        _check_disjoint(meta_path, folder, storage)
         files: dict[str, tuple[Path, int]] = {}
         entries: dict[str, TensorEntry] = {}
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl

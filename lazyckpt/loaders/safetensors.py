@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any, final
@@ -168,8 +169,30 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
 
 
 _DCP_PIECES = "DCP_SHARDING_INFO"
-"""The ``__metadata__`` entry of a file from ``HuggingFaceStorageWriter(save_distributed=True)``:
-where each of its tensors lies in the full one."""
+"""The ``__metadata__`` entry of a safetensors file from DCP's ``HuggingFaceStorageWriter``:
+where each of its tensors lies in the full one. Every file of that writer has it; only those
+of ``save_distributed=True`` hold pieces."""
+_PIECES_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
+"""How that writer names a rank's file of pieces (rank 0's pieces all lie at offset 0)."""
+
+
+def _holds_pieces(path: Path, meta: dict[str, str]) -> bool:
+    info = meta.get(_DCP_PIECES)
+    if info is None:
+        return False
+    if _PIECES_FILE.fullmatch(path.name):
+        return True
+    try:
+        where = json.loads(info)
+    except json.JSONDecodeError:
+        return False  # not the writer's: the file's own shapes stand
+    if not isinstance(where, dict):
+        return False
+    for entry in where.values():
+        offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if isinstance(offsets, list) and any(o != 0 for o in offsets):
+            return True
+    return False
 
 
 def _read_file(path: Path) -> list[FileTensor]:
@@ -182,7 +205,7 @@ def _read_file(path: Path) -> list[FileTensor]:
         raise CorruptModelCheckpointError(
             path, "header's __metadata__ must be an object of strings"
         )
-    if meta is not None and _DCP_PIECES in meta:
+    if meta is not None and _holds_pieces(path, meta):
         raise UnknownCheckpointFormatError(
             path,
             "holds one rank's pieces of a torch.distributed.checkpoint save written by "
