@@ -402,3 +402,20 @@ def test_a_hugging_face_folder_written_by_dcp_loads(tmp_path: Path) -> None:
         assert set(got) == set(truth)
         for key, t in truth.items():
             assert same_bits(got[key], expected(t, ODD_TP_DIMS.get(key), layout)), key
+
+
+def test_a_rank_local_save_in_safetensors_format_is_named_as_such(tmp_path: Path) -> None:
+    # With the ranks' metadata joined, the data files were looked for beside the folder, and
+    # the save was told as damaged metadata.
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    folder = tmp_path / "ck"
+    writer = FileSystemWriter(folder, serialization_format=SerializationFormat.SAFETENSORS)
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(5)}
+    dcp.save(sd, storage_writer=writer, no_dist=True, use_collectives=False)
+    shutil.copy(folder / "__0.metadata", folder / "__1.metadata")  # a rank listing the same
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="serialization_format=SAFE"):
+        load_all(folder)
