@@ -192,8 +192,9 @@ SPLITS_UNRECORDED = ("fairscale", "fairseq2")
 def read_as_replicas(index: CheckpointIndex) -> bool:
     """Whether ``index`` is of a model-parallel set whose files do not record how keys are
     split, and holds keys of which several TP files have a copy: read as replicas, they are
-    split keys if ``shard_dims`` left them out (a set of TP 1 has none)."""
-    return index.format in SPLITS_UNRECORDED and any(len(e.copies) > 1 for e in index)
+    split keys if ``shard_dims`` left them out (a set of TP 1 has none, but a 0-d key, which
+    every file holds whole)."""
+    return index.format in SPLITS_UNRECORDED and any(len(e.copies) > 1 and e.shape for e in index)
 
 
 def _warn_if_nothing_split(index: CheckpointIndex, shard_dims: Mapping[str, int], tp: int) -> None:
@@ -202,8 +203,10 @@ def _warn_if_nothing_split(index: CheckpointIndex, shard_dims: Mapping[str, int]
     meant: a preset's Meta names given a Hugging Face checkpoint give ``{}``, and then every
     TP rank gets every tensor whole, or each key of the set is read as a replica from one rank
     file (compared with its other copies only up to ``verify_replicas_max_bytes``)."""
+    if shard_dims and any(k in shard_dims for k in index.entries):
+        return
     several = read_as_replicas(index)
-    if not (tp > 1 or several) or (shard_dims and any(k in shard_dims for k in index.entries)):
+    if not (tp > 1 or several):
         return
     if several:
         what = (

@@ -385,11 +385,17 @@ def load_into(
         bar,
     ):
         fill_all(plans, destinations, reader, pool=pool, done=done)
-        if ties:
-            _compare_ties(index.path, ties, destinations, reader, pool)
+        differ = _differing_ties(ties, destinations, reader, pool) if ties else []
         if pool is not None:
             pool.synchronize()
     _install_materialized(targets, destinations)
+    for key, other in differ:  # once the model is whole: a warning made an error leaves it so
+        warn(
+            f"{index.path}: the model ties {key!r} to {other!r}, and the checkpoint holds them "
+            f"with different values (saved untied): {other!r} was loaded, as load_state_dict "
+            f"leaves it, and the tensor does not hold the checkpoint's {key!r}; untie them in "
+            "the model to load both"
+        )
     report.loaded = [key for key in index.entries if key not in shadowed]
     return report
 
@@ -497,14 +503,14 @@ def _same_place(a: object, b: object) -> bool:
     )
 
 
-def _compare_ties(
-    path: os.PathLike[str],
+def _differing_ties(
     ties: Sequence[tuple[TensorPlan, str]],
     destinations: Mapping[str, torch.Tensor],
     reader: Reader,
     pool: PinnedPool | None,
-) -> None:
-    """Read each shadowed key as its tensor would hold it and warn where it differs."""
+) -> list[tuple[str, str]]:
+    """Read each shadowed key as its tensor would hold it: (key, the key that filled the
+    tensor) for those that differ."""
     got = {
         plan.key: torch.empty_like(destinations[other], memory_format=torch.contiguous_format)
         for plan, other in ties
@@ -512,14 +518,11 @@ def _compare_ties(
     fill_all([plan for plan, _ in ties], got, reader, pool=pool)
     if pool is not None:
         pool.synchronize()
-    for plan, other in ties:
-        if not same_bits(got[plan.key], destinations[other]):
-            warn(
-                f"{path}: the model ties {plan.key!r} to {other!r}, and the checkpoint holds "
-                f"them with different values (saved untied): {other!r} was loaded, as "
-                "load_state_dict leaves it, and the tensor does not hold the checkpoint's "
-                f"{plan.key!r}; untie them in the model to load both"
-            )
+    return [
+        (plan.key, other)
+        for plan, other in ties
+        if not same_bits(got[plan.key], destinations[other])
+    ]
 
 
 def _refuse_overlaps(keys: Sequence[str], targets: Mapping[str, _Target]) -> None:

@@ -1275,6 +1275,7 @@ def test_a_fairseq2_set_without_tensor_parallelism_is_not_warned_of(tmp_path: Pa
     (tmp_path / "sdp" / "tp_00").mkdir(parents=True)
     for r in range(2):
         shard = {k: torch.chunk(v, 2, 0)[r].clone() for k, v in full.items()}
+        shard["scale"] = torch.tensor(2.0)  # a 0-d key: every file holds it whole
         torch.save(shard, tmp_path / "sdp" / "tp_00" / f"sdp_{r:02d}.pt")
     for s, k in enumerate(full):
         (tmp_path / "pp" / f"pp_{s:02d}" / "tp_00").mkdir(parents=True)
@@ -1289,6 +1290,7 @@ def test_a_fairseq2_set_without_tensor_parallelism_is_not_warned_of(tmp_path: Pa
         for name in ("sdp", "pp"):
             got = dict(loader.lazy_load(tmp_path / name, {}))
             assert all(torch.equal(got[k], full[k]) for k in full), name
+        assert float(dict(loader.lazy_load(tmp_path / "sdp", {}))["scale"]) == 2.0
         assert torch.equal(dict(loader.lazy_load(tmp_path / "tp", {"w": 0}))["w"], full["w"])
     with pytest.warns(lazyckpt.ShardDimsWarning, match="TP-2"):
         loader.lazy_load(tmp_path / "tp", {}, lazyckpt.ModelCheckpointLoadOptions(verify_replicas=False))
@@ -1589,3 +1591,14 @@ def test_errors_carry_the_key_at_fault(tmp_path: Path) -> None:
 
     again = pickle.loads(pickle.dumps(info.value))
     assert again.key == "w" and str(again) == str(info.value)
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"w": ' + b"9" * 5000 + b"}"])
+def test_a_safetensors_header_json_cannot_read_is_a_checkpoint_error(
+    tmp_path: Path, header: bytes
+) -> None:
+    # Nesting too deep (RecursionError) or an int of too many digits (ValueError) escaped raw.
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="header"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})

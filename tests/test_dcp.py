@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dist_workers import ODD_TP_DIMS, odd_model_truth, save_odd_dcp, save_odd_hf_pieces, spawn
 from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
+from safetensors.torch import save_file
 
 import lazyckpt
 
@@ -372,20 +373,22 @@ def test_a_rank_local_save_missing_a_ranks_metadata_is_refused(
         lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
 
 
-def test_a_metadata_older_than_rank_metadata_beside_it_is_refused(tmp_path: Path) -> None:
-    """torch saves over an earlier save without removing its metadata: a ``.metadata`` left
-    from a collective save describes other bytes than a ``use_collectives=False`` save made
-    over it (the new keys were dropped, the old ones read at old offsets)."""
-    folder = tmp_path / "ck"
-    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=folder, no_dist=True)
+def test_a_folder_holding_two_saves_metadata_is_refused(tmp_path: Path) -> None:
+    """torch saves over an earlier save without removing its metadata: a ``.metadata`` beside
+    ``__N.metadata`` files is two saves' (the new keys of a rank-local save over a collective
+    one were dropped, the old ones read at old offsets). Which one is current the files cannot
+    tell (copies and archives rewrite file times), so either order is refused."""
     new = {"w": torch.arange(6.0) * 10, "new": torch.ones(3)}
-    dcp.save(new, checkpoint_id=folder, no_dist=True, use_collectives=False)
-    assert (folder / ".metadata").exists() and (folder / "__0.metadata").exists()
-    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="stale metadata"):
-        lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
-    (folder / ".metadata").unlink()
-    got = load_all(folder)
-    assert set(got) == set(new) and all(same_bits(got[k], t) for k, t in new.items())
+    for first, second in ((True, False), (False, True)):
+        folder = tmp_path / f"ck-{first}"
+        dcp.save({"w": torch.arange(6.0)}, checkpoint_id=folder, no_dist=True, use_collectives=first)
+        dcp.save(new, checkpoint_id=folder, no_dist=True, use_collectives=second)
+        assert (folder / ".metadata").exists() and (folder / "__0.metadata").exists()
+        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="metadata of two saves"):
+            lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+        (folder / (".metadata" if second is False else "__0.metadata")).unlink()
+        got = load_all(folder)
+        assert set(got) == set(new) and all(same_bits(got[k], t) for k, t in new.items())
 
 
 def test_a_hugging_face_folder_written_by_dcp_loads(tmp_path: Path) -> None:
@@ -419,3 +422,12 @@ def test_a_rank_local_save_in_safetensors_format_is_named_as_such(tmp_path: Path
     shutil.copy(folder / "__0.metadata", folder / "__1.metadata")  # a rank listing the same
     with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="serialization_format=SAFE"):
         load_all(folder)
+
+
+def test_an_unreadable_sharding_record_leaves_the_file_as_it_is(tmp_path: Path) -> None:
+    # A DCP_SHARDING_INFO that is not the writer's JSON (too deep, too long a number) raised a
+    # bare RecursionError or ValueError; the file's own shapes stand.
+    t = torch.arange(6.0).reshape(2, 3)
+    for i, info in enumerate(["[" * 100_000, '{"w": {"saved_offsets": [' + "9" * 5000 + "]}}"]):
+        save_file({"w": t}, tmp_path / f"m{i}.safetensors", metadata={"DCP_SHARDING_INFO": info})
+        assert torch.equal(load_all(tmp_path / f"m{i}.safetensors")["w"], t)

@@ -258,6 +258,20 @@ def test_a_checkpoint_holding_both_names_of_a_tied_weight(tmp_path: Path, meta: 
         assert stats.total_bytes_read == 2 * sd["a_head.weight"].nbytes  # both names read
 
 
+def test_a_tie_warning_made_an_error_leaves_a_meta_model_whole(tmp_path: Path) -> None:
+    # The warning was given before the meta tensors were put in place: made an error, it left
+    # the model on meta with its in-place targets already written.
+    sd = {"z_embed.weight": torch.full((64, 64), 1.0), "a_head.weight": torch.full((64, 64), 2.0)}
+    save_file(sd, tmp_path / "untied.safetensors")
+    with torch.device("meta"):
+        model = _Tied(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"ties 'z_embed\.weight'"):
+            lazyckpt.load_into(model, tmp_path / "untied.safetensors")
+    assert not model.z_embed.weight.is_meta and torch.equal(model.a_head.weight, sd["a_head.weight"])
+
+
 def test_tied_names_are_compared_only_where_they_are_other_bytes_and_small(tmp_path: Path) -> None:
     # torch.save of a tied model stores one storage under both names: nothing to compare. A
     # key beyond verify_replicas_max_bytes is not compared, as replicas are not.

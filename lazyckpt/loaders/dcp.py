@@ -277,12 +277,9 @@ def megatron_files(names: list[str]) -> tuple[str, ...]:
     return MEGATRON_FILES if all(n in names for n in MEGATRON_FILES) else ()
 
 
-_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+_RANK_METADATA = re.compile(r"__(0|[1-9]\d*)\.metadata")
 """What each rank writes instead of ``.metadata`` when saved with ``use_collectives=False``:
 the metadata of its own chunks."""
-
-
-_RANK_DATA = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
@@ -298,40 +295,36 @@ def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
     return [p for _, p in sorted(ranks)]
 
 
-def _check_rank_metadata(folder: Path, meta_paths: list[Path]) -> None:
-    """A save's metadata must be whole and current. Each rank of a ``use_collectives=False``
-    save writes its own ``__N.metadata``: one missing (a rank that died) would drop that
-    rank's keys without a word. And torch saves into a folder over an earlier save without
-    removing its metadata: a ``.metadata`` older than ``__N.metadata`` beside it describes
-    another save's bytes."""
-    names = os.listdir(folder)
+def _check_rank_metadata(folder: Path) -> None:
+    """A save's metadata must be whole and of one save. Each rank of a ``use_collectives=False``
+    save writes its own ``__N.metadata``: a gap in their numbers (a rank that died) would drop
+    that rank's keys without a word. And torch saves into a folder over an earlier save without
+    removing its metadata: a ``.metadata`` beside ``__N.metadata`` files is two saves' metadata,
+    and the files cannot tell which is current (file times are not evidence: copies,
+    downloads and archives rewrite or round them), so that is refused too."""
     local = sorted(
-        (int(m.group(1)), n) for n in names if (m := _RANK_METADATA.fullmatch(n)) is not None
+        (int(m.group(1)), n)
+        for n in os.listdir(folder)
+        if (m := _RANK_METADATA.fullmatch(n)) is not None and (folder / n).is_file()
     )
-    if meta_paths == [folder / METADATA]:
-        if local:
-            stamp = (folder / METADATA).stat().st_mtime_ns
-            newer = [n for _, n in local if (folder / n).stat().st_mtime_ns > stamp]
-            if newer:
-                raise CorruptModelCheckpointError(
-                    folder,
-                    f"holds a .metadata and, newer, {newer[0]}: a save with "
-                    "use_collectives=False was made over an earlier one, whose .metadata "
-                    "describes other bytes; remove the stale metadata (or save into an empty "
-                    "folder)",
-                )
+    if not local:
         return
-    have = {r for r, _ in local}
-    want = set(range(max(have) + 1)) | {
-        int(m.group(1)) for n in names if (m := _RANK_DATA.fullmatch(n)) is not None
-    }
-    if want - have:
-        r = min(want - have)
+    if (folder / METADATA).is_file():
+        shown = local[0][1] + (" ..." if len(local) > 1 else "")
         raise CorruptModelCheckpointError(
             folder,
-            f"lacks __{r}.metadata, rank {r}'s part of a save made with use_collectives=False "
-            f"(each rank writes its own; {len(have)} of them are here): the save did not "
-            "finish, or a file was lost; save again",
+            f"holds a .metadata and {shown}: the metadata of two saves (torch saves into a "
+            "folder over an earlier save without removing its metadata; each rank writes its "
+            "own __N.metadata with use_collectives=False), and which one is current the files "
+            "cannot tell; remove the stale one(s), or save into an empty folder",
+        )
+    gap = next((i for i, (rank, _) in enumerate(local) if i != rank), None)
+    if gap is not None:
+        raise CorruptModelCheckpointError(
+            folder,
+            f"lacks __{gap}.metadata, rank {gap}'s part of a save made with "
+            f"use_collectives=False (each rank writes its own; {len(local)} of them are here): "
+            "the save did not finish, or a file was lost; save again",
         )
 
 
@@ -407,7 +400,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
     ) -> CheckpointIndex:
         folder = path.parent if path.is_file() else path
         meta_paths = metadata_paths(folder) or [folder / METADATA]  # (missing: said when read)
-        _check_rank_metadata(folder, meta_paths)
+        _check_rank_metadata(folder)
         metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
         # Errors about the metadata name its file, or the folder for the ranks' files together.
         meta_path = meta_paths[0] if len(meta_paths) == 1 else folder

@@ -161,6 +161,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
         ) from None
     except json.JSONDecodeError as exc:
         raise CorruptModelCheckpointError(path, f"header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # an int of too many digits, nesting too deep
+        raise CorruptModelCheckpointError(path, f"header cannot be read as JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptModelCheckpointError(
             path, f"header is a JSON {type(header).__name__}, not an object"
@@ -184,7 +186,7 @@ def _holds_pieces(path: Path, meta: dict[str, str]) -> bool:
         return True
     try:
         where = json.loads(info)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return False  # not the writer's: the file's own shapes stand
     if not isinstance(where, dict):
         return False
