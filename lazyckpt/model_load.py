@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +26,9 @@ from lazyckpt.claims import Footprint, footprint, overlap
 from lazyckpt.errors import ModelCheckpointError, warn
 from lazyckpt.gcpause import gc_paused
 from lazyckpt.imported import fsdp_module_class, is_dtensor
-from lazyckpt.index import FileRegion, TensorEntry
+from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import TensorPlan, plan_load
+from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry, plan_load
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map, options_or_default
 from lazyckpt.plan import Box, mesh_box, repeats_elements, span
@@ -361,7 +362,7 @@ def load_into(
     )
     ties: list[tuple[TensorPlan, str]] = []
     if shadowed:  # two reads into one tensor would race (the threads take reads from both ends)
-        ties = _ties_to_compare(plans, shadowed, targets, index.entries, options)
+        ties = _ties_to_compare(plans, shadowed, targets, index, options)
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
     destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
@@ -458,26 +459,42 @@ def _ties_to_compare(
     plans: Sequence[TensorPlan],
     shadowed: Sequence[str],
     targets: Mapping[str, _Target],
-    entries: Mapping[str, TensorEntry],
+    index: CheckpointIndex,
     options: ModelCheckpointLoadOptions,
 ) -> list[tuple[TensorPlan, str]]:
     """The shadowed keys to read and compare with the key that fills their tensor, each as
     (its plan, that key): a checkpoint that holds a tied weight under both names with other
     values (saved untied) would otherwise lose one without a word, where Hugging Face's
     ``from_pretrained`` warns. Not where both names are the same bytes of the file (a torch
-    file of a tied model), nor beyond ``verify_replicas_max_bytes``, as with replicas."""
+    file of a tied model). A box beyond ``verify_replicas_max_bytes`` (an embedding, often) is
+    compared on its first rows within that many bytes: weights saved untied differ in every
+    row, and the check reads no more than a replica check does."""
     if not options.verify_replicas:
         return []
+    entries, index_path = index.entries, index.path
     winner = {t.memory: key for key, t in targets.items() if key in entries}  # as _shadowed
     chosen = set(shadowed)
     out = []
     for plan in plans:
-        if plan.key not in chosen or plan.nbytes > options.verify_replicas_max_bytes:
+        if plan.key not in chosen:
             continue
         other = winner[targets[plan.key].memory]
-        if not _same_bytes(entries[plan.key], entries[other]):
-            out.append((plan, other))
+        if _same_bytes(entries[plan.key], entries[other]):
+            continue
+        if plan.nbytes > options.verify_replicas_max_bytes and plan.box.sizes:
+            plan = _first_rows(plan, options.verify_replicas_max_bytes, index_path)
+        out.append((plan, other))
     return out
+
+
+def _first_rows(plan: TensorPlan, nbytes: int, index_path: Path) -> TensorPlan:
+    """``plan`` cut to the first rows of its box (dim 0) that fit ``nbytes``, one at least."""
+    sizes = plan.box.sizes
+    row = max(1, plan.nbytes // max(1, sizes[0]))
+    box = Box(plan.box.offsets, (max(1, min(sizes[0], nbytes // row)), *sizes[1:]))
+    where = functools.partial(entry_path, index_path, plan.entry)
+    dim, box, pieces = plan_entry(plan.entry, {}, Layout(), where, box)
+    return TensorPlan(plan.entry, dim, box, plan.copy, pieces[plan.copy])
 
 
 def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
@@ -511,17 +528,18 @@ def _differing_ties(
 ) -> list[tuple[str, str]]:
     """Read each shadowed key as its tensor would hold it: (key, the key that filled the
     tensor) for those that differ."""
+    held = {}  # each box is the winner's, or its first rows (dim 0): those of its tensor
+    for plan, other in ties:
+        dest = destinations[other]
+        held[plan.key] = dest[: plan.box.sizes[0]] if plan.box.sizes else dest
     got = {
-        plan.key: torch.empty_like(destinations[other], memory_format=torch.contiguous_format)
-        for plan, other in ties
+        key: torch.empty_like(t, memory_format=torch.contiguous_format) for key, t in held.items()
     }
     fill_all([plan for plan, _ in ties], got, reader, pool=pool)
     if pool is not None:
         pool.synchronize()
     return [
-        (plan.key, other)
-        for plan, other in ties
-        if not same_bits(got[plan.key], destinations[other])
+        (plan.key, other) for plan, other in ties if not same_bits(got[plan.key], held[plan.key])
     ]
 
 
