@@ -314,3 +314,15 @@ def test_fairseq2_set_missing_a_last_shard_is_refused(tmp_path: Path, gone: str)
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=what) as info:
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, dims)
     assert info.value.path.name == where
+
+
+def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_largest(
+    tmp_path: Path,
+) -> None:
+    # A stray tp_99999999999 made a list of every number up to it (memory, then a MemoryError).
+    full = {"emb.weight": torch.arange(32.0).reshape(8, 4)}
+    write_fairseq2(tmp_path, full, {"emb.weight": 0}, pp={"emb.weight": 0}, tp=2, sdp=1)
+    shutil.copytree(tmp_path / "pp_00" / "tp_01", tmp_path / "pp_00" / "tp_99999999999")
+    shutil.rmtree(tmp_path / "pp_00" / "tp_01")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="lacks rank 1"):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {"emb.weight": 0})

@@ -45,11 +45,11 @@ def _numbered(folder: Path, pattern: re.Pattern[str], want_dir: bool) -> list[Pa
             folder, f"holds no {pattern.pattern} {'folder' if want_dir else 'file'}"
         )
     size = max(found) + 1
-    missing = [r for r in range(size) if r not in found]
-    if missing:
+    if size != len(found):  # a gap (checked without a range as long as the largest number)
+        first = next(i for i, r in enumerate(sorted(found)) if i != r)
         raise CorruptModelCheckpointError(
             folder,
-            f"has ranks up to {size - 1} but lacks rank {missing[0]} "
+            f"has ranks up to {size - 1} but lacks rank {first} "
             f"({pattern.pattern}); the set is incomplete",
         )
     return [
