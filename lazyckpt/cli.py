@@ -811,6 +811,13 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     choice = resolve_shard_dims(args.shard_dims, loader, src, base)
     index = loader.index(src, choice.dims, base)
     if args.format == "consolidated" and args.tp > 1 and not choice.concrete(list(index.entries)):
+        if args.shard_dims is not None:  # given, but naming none of the checkpoint's keys
+            first = ", ".join(repr(k) for k in list(index.entries)[:3])
+            raise UsageError(
+                f"--shard-dims {args.shard_dims} names none of the checkpoint's "
+                f"{len(index.entries)} keys ({first} ...), so no key would be split and every "
+                "rank file would hold whole tensors; name the keys as the checkpoint does"
+            )
         raise UsageError(
             f"--format consolidated --tp {args.tp} needs --shard-dims: without it no key is split "
             "and every rank file would hold whole tensors; pass "

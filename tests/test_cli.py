@@ -731,6 +731,21 @@ def test_a_writer_whose_last_write_falls_short_without_an_error_fails_to_close(
     with pytest.raises(OSError, match="zip end record"):
         writer.close()
 
+def test_shard_dims_naming_no_key_are_told_as_such_by_reshard(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A --shard-dims file (or preset) naming none of the checkpoint's keys was told "needs
+    # --shard-dims", as if none had been given.
+    torch.save({"w": torch.zeros(4, 4)}, tmp_path / "single.pt")
+    (tmp_path / "dims.json").write_text(json.dumps({"nope.weight": 0}))
+    for dims in (str(tmp_path / "dims.json"), "llama3-fairscale"):
+        rc, _, err = run(
+            capsys, "reshard", tmp_path / "single.pt", tmp_path / "out", "--tp", "2", "--shard-dims", dims
+        )
+        assert rc == 2 and f"--shard-dims {dims} names none of the checkpoint's 1 keys ('w'" in err
+    rc, _, err = run(capsys, "reshard", tmp_path / "single.pt", tmp_path / "out", "--tp", "2")
+    assert rc == 2 and "needs --shard-dims" in err
+
 _INTERRUPTED_CHILD = """
 import sys, time
 from pathlib import Path
