@@ -88,7 +88,8 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
         if n.endswith(_PT) and not _CONSOLIDATED.fullmatch(n) and not _TRAINER_STATE.fullmatch(n)
     ]
     if sets and sets[0] is DCP:  # Megatron's torch_dist: its common state is not weights
-        loose_pt = [n for n in loose_pt if n not in dcp.megatron_files(names)]
+        megatron = dcp.megatron_files(names)
+        loose_pt = [n for n in loose_pt if n not in megatron]
     if len(sets) > 1:
         raise UnknownCheckpointFormatError(
             p, f"holds both a {sets[0].name} and a {sets[1].name} checkpoint; keep one per folder"

@@ -282,31 +282,32 @@ _RANK_METADATA = re.compile(r"__(0|[1-9]\d*)\.metadata")
 the metadata of its own chunks."""
 
 
+def _rank_metadata(folder: Path, names: list[str]) -> list[tuple[int, str]]:
+    """Each rank's ``__N.metadata`` file among ``names``, as (rank, name) in rank order."""
+    return sorted(
+        (int(m.group(1)), n)
+        for n in names
+        if (m := _RANK_METADATA.fullmatch(n)) is not None and (folder / n).is_file()
+    )
+
+
 def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
     """The metadata files of the DCP save in ``folder``: its ``.metadata``, else every rank's
     ``__N.metadata`` in rank order; none if it holds neither."""
     if (folder / METADATA).is_file():
         return [folder / METADATA]
-    ranks = []
-    for n in os.listdir(folder) if names is None else names:
-        m = _RANK_METADATA.fullmatch(n)
-        if m is not None and (folder / n).is_file():
-            ranks.append((int(m.group(1)), folder / n))
-    return [p for _, p in sorted(ranks)]
+    local = _rank_metadata(folder, os.listdir(folder) if names is None else names)
+    return [folder / n for _, n in local]
 
 
-def _check_rank_metadata(folder: Path) -> None:
+def _check_rank_metadata(folder: Path, local: list[tuple[int, str]]) -> None:
     """A save's metadata must be whole and of one save. Each rank of a ``use_collectives=False``
     save writes its own ``__N.metadata``: a gap in their numbers (a rank that died) would drop
     that rank's keys without a word. And torch saves into a folder over an earlier save without
     removing its metadata: a ``.metadata`` beside ``__N.metadata`` files is two saves' metadata,
     and the files cannot tell which is current (file times are not evidence: copies,
-    downloads and archives rewrite or round them), so that is refused too."""
-    local = sorted(
-        (int(m.group(1)), n)
-        for n in os.listdir(folder)
-        if (m := _RANK_METADATA.fullmatch(n)) is not None and (folder / n).is_file()
-    )
+    downloads and archives rewrite or round them), so that is refused too. ``local``: the
+    folder's :func:`_rank_metadata`."""
     if not local:
         return
     if (folder / METADATA).is_file():
@@ -399,8 +400,10 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
     ) -> CheckpointIndex:
         folder = path.parent if path.is_file() else path
-        meta_paths = metadata_paths(folder) or [folder / METADATA]  # (missing: said when read)
-        _check_rank_metadata(folder)
+        names = os.listdir(folder)
+        local = _rank_metadata(folder, names)
+        _check_rank_metadata(folder, local)  # so ranks' files are there only without .metadata
+        meta_paths = [folder / n for _, n in local] or [folder / METADATA]  # (missing: when read)
         metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
         # Errors about the metadata name its file, or the folder for the ranks' files together.
         meta_path = meta_paths[0] if len(meta_paths) == 1 else folder
@@ -422,7 +425,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
         notes = []
-        megatron = all((folder / n).is_file() for n in MEGATRON_FILES)
+        megatron = bool(megatron_files(names))  # as detection tells it
         if megatron:
             notes.append(
                 f"ignored {MEGATRON_FILES[0]}: Megatron-core's state that is not sharded "
