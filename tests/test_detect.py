@@ -145,3 +145,10 @@ def test_a_megatron_lm_checkpoint_root_names_its_latest_iteration(tmp_path: Path
         detect_loader(tmp_path)
     assert str(latest) in str(err.value)
     assert detect_loader(latest).name == "dcp"
+
+
+def test_a_megatron_tracker_of_too_many_digits_is_still_a_root(tmp_path: Path) -> None:
+    # int() of 5,000 digits raised a bare ValueError out of detection.
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("9" * 5000)
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="Megatron-LM checkpoint root"):
+        detect_loader(tmp_path)

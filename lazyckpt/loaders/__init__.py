@@ -153,7 +153,8 @@ def _latest(root: Path) -> str:
         text = (root / _MEGATRON_TRACKER).read_text(errors="replace").strip()
     except OSError:
         return ""
-    name = f"iter_{int(text):07d}" if text.isdecimal() else text
+    # An iteration of more digits than any run has is not one (int() refuses 4,300 and more).
+    name = f"iter_{int(text):07d}" if text.isdecimal() and len(text) < 20 else text
     return f" (the latest: {root / name})" if name and (root / name).is_dir() else ""
 
 
