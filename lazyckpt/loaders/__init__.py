@@ -155,7 +155,11 @@ def _latest(root: Path) -> str:
         return ""
     # An iteration of more digits than any run has is not one (int() refuses 4,300 and more).
     name = f"iter_{int(text):07d}" if text.isdecimal() and len(text) < 20 else text
-    return f" (the latest: {root / name})" if name and (root / name).is_dir() else ""
+    try:
+        there = bool(name) and (root / name).is_dir()
+    except (OSError, ValueError):  # a name too long, or with a NUL: not a folder of it
+        there = False
+    return f" (the latest: {root / name})" if there else ""
 
 
 @final
