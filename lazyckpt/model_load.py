@@ -30,7 +30,12 @@ from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry, plan_load
 from lazyckpt.loaders import detect_loader
-from lazyckpt.options import ModelCheckpointLoadOptions, apply_key_map, options_or_default
+from lazyckpt.options import (
+    ModelCheckpointLoadOptions,
+    apply_key_map,
+    convertible,
+    options_or_default,
+)
 from lazyckpt.plan import Box, mesh_box, repeats_elements, span
 from lazyckpt.read import Reader
 from lazyckpt.stats import LoadStats, byte_bar
@@ -69,7 +74,8 @@ class LoadReport:
 
 
 class KeyMismatchError(ModelCheckpointError):
-    """``strict`` load where the model and the checkpoint disagree on keys or shapes."""
+    """The model and the checkpoint disagree on shapes or on dtypes torch cannot convert
+    between, or (``strict``) on keys."""
 
     def __init__(self, message: str, report: LoadReport) -> None:
         super().__init__(message)
@@ -336,6 +342,18 @@ def load_into(
         raise KeyMismatchError(
             f"{index.path}: shapes differ between checkpoint and model for "
             f"{len(mismatched)} key(s): " + "; ".join(mismatched[:10]),
+            report,
+        )
+    unconvertible = [
+        f"{key}: checkpoint {entry.dtype}, model {targets[key].tensor.dtype}"
+        for key, entry in index.entries.items()
+        if not convertible(entry.dtype, targets[key].tensor.dtype)
+    ]
+    if unconvertible:  # else copy_ stops the load halfway, naming no key
+        raise KeyMismatchError(
+            f"{index.path}: torch cannot convert between the checkpoint's and the model's dtype "
+            f"for {len(unconvertible)} key(s): " + "; ".join(unconvertible[:10]) + "; give "
+            "the model's tensors the checkpoint's dtype, or drop the keys with options.key_map",
             report,
         )
     _account_keys(report, targets, index.entries)

@@ -15,7 +15,7 @@ from lazyckpt.stats import LoadStats
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map", "castable"]
+__all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map", "castable", "convertible"]
 
 MiB = 1 << 20
 
@@ -27,6 +27,18 @@ def castable(dtype: torch.dtype) -> bool:
 
 
 _PACKED = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+_OPAQUE = _PACKED | frozenset(
+    d
+    for d in (getattr(torch, n, None) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"))
+    if d is not None
+)
+"""Dtypes ``copy_`` copies only into themselves: the packed float4 and the raw ``bits*``."""
+
+
+def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``copy_`` fills a ``dst`` tensor from a ``src`` one (``load_into`` casts each key
+    to its parameter's dtype, as ``load_state_dict`` does)."""
+    return src == dst or (src not in _OPAQUE and dst not in _OPAQUE)
 
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]

@@ -628,12 +628,15 @@ class Reader:
                         f.copying(first, piece.sizes, region.strides, itemsize)
                     ):
                         return False  # a view covered some of its bytes: copied piece by piece
+            # One-byte dtypes as bytes: torch has no cat for the packed float4 (the copy is the
+            # same either way).
+            as_dtype = torch.uint8 if itemsize == 1 else dtype
             parts = []
             for f, first, piece, region in sources:
                 readahead.read_ahead(f.fd, f.size, first, piece.sizes, region.strides, itemsize)
-                flat = self._flat(f, dtype)
+                flat = self._flat(f, as_dtype)
                 parts.append(flat.as_strided(piece.sizes, region.strides, first // itemsize))
-            torch.cat(parts, dim=dim, out=dst)
+            torch.cat(parts, dim=dim, out=dst.view(as_dtype))
         for f, _, piece, _ in sources:
             self._count(f, piece.numel * itemsize)
         return True

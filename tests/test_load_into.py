@@ -213,6 +213,26 @@ def test_shape_mismatch_always_raises(tmp_path: Path) -> None:
         lazyckpt.load_into(OddModel(), tmp_path / "bad.pt", strict=False)
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.uint8])
+def test_a_dtype_torch_cannot_convert_raises_before_anything_is_written(
+    tmp_path: Path, model_dtype: torch.dtype
+) -> None:
+    # copy_ has no kernel to or from the packed float4: it stopped the load halfway, naming no
+    # key, with the keys before it written.
+    w = torch.randint(0, 256, (4, 3), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save_file({"a": torch.full((5,), 2.0), "w": w}, tmp_path / "m.safetensors")
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(5))
+    model.w = nn.Parameter(torch.zeros(4, 3, dtype=model_dtype), requires_grad=False)
+    with pytest.raises(lazyckpt.KeyMismatchError, match=rf"w: checkpoint torch.float4_e2m1fn_x2, model {model_dtype}"):
+        lazyckpt.load_into(model, tmp_path / "m.safetensors")
+    assert torch.equal(model.a.detach(), torch.zeros(5))
+    # Its own dtype loads.
+    model.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), requires_grad=False)
+    lazyckpt.load_into(model, tmp_path / "m.safetensors")
+    assert same_bits(model.w.detach(), w) and torch.equal(model.a.detach(), torch.full((5,), 2.0))
+
+
 class _Tied(nn.Module):
     """Two names of one weight, the embedding first in module order but last by name."""
 

@@ -451,3 +451,18 @@ def test_a_safetensors_header_longer_than_the_first_read_is_read_whole(tmp_path:
     want = load_file(path)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packed_float4_split_over_model_parallel_files(tmp_path: Path, dim: int) -> None:
+    # Column blocks of a key split on dim 1 are joined with one torch.cat, which torch lacks
+    # for float4_e2m1fn_x2: they are joined as bytes (a crash before, naming nothing).
+    full = torch.randint(0, 256, (6, 8), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    for r, part in enumerate(torch.chunk(full, 2, dim)):
+        torch.save({"w": part.clone(), "n": torch.ones(3)}, tmp_path / f"consolidated.0{r}.pth")
+    for tp, rank in [(1, 0), (3, 1), (2, 1)]:
+        layout = lazyckpt.Layout(tp_size=tp, tp_rank=rank)
+        for mmap in (True, False):
+            got = load_all(tmp_path, {"w": dim}, layout=layout, mmap=mmap)
+            assert got["w"].dtype == torch.float4_e2m1fn_x2
+            assert same_bits(got["w"], expected(full, dim, layout))
