@@ -38,6 +38,7 @@ from lazyckpt.options import (
 )
 from lazyckpt.plan import Box, mesh_box, repeats_elements, span
 from lazyckpt.read import Reader
+from lazyckpt.state_names import extra_states, state_dict_renames, tree_tensors
 from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["KeyMismatchError", "LoadReport", "load_into"]
@@ -124,20 +125,23 @@ def _reshard_fsdp(model: nn.Module) -> None:
             module.reshard()  # type: ignore[operator]  # an FSDPModule method
 
 
-def _targets(model: nn.Module) -> dict[str, _Target]:
-    """The model's state-dict keys (parameters and persistent buffers), ties included."""
+def _targets(model: nn.Module) -> tuple[dict[str, _Target], dict[str, nn.Module]]:
+    """The model's state-dict keys (parameters and persistent buffers), ties included, and
+    the keys of its modules' extra state, under the names its state dict gives them
+    (:mod:`lazyckpt.state_names`)."""
+    renames = state_dict_renames(model)
     out: dict[str, _Target] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for attr, p in module._parameters.items():
-            if p is not None:
-                _refuse_lazy(prefix + attr, p)
-                out.setdefault(prefix + attr, _Target(p, [])).owners.append((module, attr, True))
-        for attr, b in module._buffers.items():
-            if b is not None and attr not in module._non_persistent_buffers_set:
-                _refuse_lazy(prefix + attr, b)
-                out.setdefault(prefix + attr, _Target(b, [])).owners.append((module, attr, False))
-    return out
+    for path, module, attr, t, is_param in tree_tensors(model):
+        key = path if renames is None else renames[path]
+        if key is not None:
+            _refuse_lazy(key, t)
+            out.setdefault(key, _Target(t, [])).owners.append((module, attr, is_param))
+    extras: dict[str, nn.Module] = {}
+    for path, module in extra_states(model).items():
+        key = path if renames is None else renames[path]
+        if key is not None:
+            extras[key] = module
+    return out, extras
 
 
 def _refuse_lazy(key: str, t: torch.Tensor) -> None:
@@ -295,7 +299,7 @@ def load_into(
     """
     options = options_or_default(options)
     _reshard_fsdp(model)
-    targets = _targets(model)
+    targets, extras = _targets(model)
     # The device only serves meta tensors, which are made there: refused only if it would be.
     meta = any(not t.is_dtensor and t.tensor.is_meta for t in targets.values())
     device = options.usable_device() if meta else options.target_device
@@ -319,7 +323,7 @@ def load_into(
 
     def route(source_key: str) -> str | None:
         key = apply_key_map(options.key_map, source_key)
-        if key is not None and key not in targets:
+        if key is not None and key not in targets and key not in extras:
             unexpected.append(key)
             return None
         return key
@@ -333,6 +337,10 @@ def load_into(
     shard_dims = {**given, **inferred}
     report.shard_dims = dict(shard_dims)
     report.unexpected = unexpected
+    for key in extras:  # a module's extra state: the checkpoint's tensor, whole, made on the CPU
+        entry = index.entries.get(key)
+        if entry is not None:
+            targets[key] = _Target(torch.empty(entry.shape, dtype=entry.dtype, device="meta"), [])
     mismatched = [
         f"{key}: checkpoint {entry.shape}, model {targets[key].global_shape}"
         for key, entry in index.entries.items()
@@ -357,6 +365,7 @@ def load_into(
             report,
         )
     _account_keys(report, targets, index.entries)
+    report.missing += [key for key in extras if key not in index.entries]
     shadowed = _shadowed(targets, index.entries)
     report.tied += shadowed
     if strict and (report.missing or report.unexpected):
@@ -383,7 +392,11 @@ def load_into(
         ties = _ties_to_compare(plans, shadowed, targets, index, options)
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
-    destinations = {p.key: _destination(p.key, targets[p.key], device) for p in plans}
+    cpu = torch.device("cpu")
+    destinations = {
+        p.key: _destination(p.key, targets[p.key], cpu if p.key in extras else device)
+        for p in plans
+    }
     for p in plans:  # an empty shard held in another empty shape (see _box) takes the box's
         if tuple(destinations[p.key].shape) != p.box.sizes:
             destinations[p.key] = destinations[p.key].view(p.box.sizes)
@@ -407,7 +420,11 @@ def load_into(
         differ = _differing_ties(ties, destinations, reader, pool) if ties else []
         if pool is not None:
             pool.synchronize()
+    _mark_written(plans, targets, destinations)
     _install_materialized(targets, destinations)
+    for key, module in extras.items():
+        if key in destinations:
+            module.set_extra_state(destinations[key])
     for key, other in differ:  # once the model is whole: a warning made an error leaves it so
         warn(
             f"{index.path}: the model ties {key!r} to {other!r}, and the checkpoint holds them "
@@ -644,6 +661,22 @@ def _refuse_shared_elements(key: str, t: torch.Tensor) -> torch.Tensor:
             "options.key_map"
         )
     return t
+
+
+def _mark_written(
+    plans: Sequence[TensorPlan], targets: Mapping[str, _Target], dests: Mapping[str, torch.Tensor]
+) -> None:
+    """Bump the autograd version of every tensor filled in place, as ``copy_`` would: reads
+    write their memory behind autograd's back, and a graph that saved the old values must
+    refuse to run backward ("modified by an inplace operation"), not use the new ones."""
+    from torch.autograd.graph import increment_version
+
+    for plan in plans:
+        t = targets[plan.key].tensor
+        if not t.is_meta:
+            increment_version(t)
+            if targets[plan.key].is_dtensor:
+                increment_version(dests[plan.key])
 
 
 def _install_materialized(

@@ -10,6 +10,7 @@ from torch import nn
 
 from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import named_mesh_dims
+from lazyckpt.state_names import state_dict_renames
 
 __all__ = ["get_shard_dims"]
 
@@ -26,7 +27,8 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     """``{parameter name: TP shard dim}`` for every tensor-parallel parameter of ``model``.
 
     Replicated parameters are left out. A ``ColumnParallelLinear`` bias is split like its
-    output dim (0); a ``RowParallelLinear`` bias is replicated.
+    output dim (0); a ``RowParallelLinear`` bias is replicated. Names are the model's
+    state-dict keys (a ``checkpoint_wrapper``'s inner name is dropped, as its state dict does).
     """
     dims: dict[str, int] = {}
     fsdp = _has_fsdp(model)
@@ -46,7 +48,11 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
         tp_dim = _dtensor_tp_dim(name, param, fsdp)
         if tp_dim is not None:
             dims[name] = tp_dim
-    return dims
+    renames = state_dict_renames(model)  # the names a checkpoint of the model holds
+    if renames is None:
+        return dims
+    named = ((renames.get(name, name), dim) for name, dim in dims.items())
+    return {name: dim for name, dim in named if name is not None}
 
 
 def _has_fsdp(model: nn.Module) -> bool:

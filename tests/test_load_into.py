@@ -233,6 +233,91 @@ def test_a_dtype_torch_cannot_convert_raises_before_anything_is_written(
     assert same_bits(model.w.detach(), w) and torch.equal(model.a.detach(), torch.full((5,), 2.0))
 
 
+class _WithExtraState(nn.Module):
+    """Keeps a tensor out of its parameters and buffers, in its extra state (as
+    TransformerEngine's modules keep their FP8 scaling state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scale = torch.zeros(4)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.scale.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.scale = state.clone()
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_extra_state_and_checkpoint_wrapped_layers_load_under_their_state_dict_names(
+    tmp_path: Path, meta: bool
+) -> None:
+    # A checkpoint of the model's own state dict loads into it, as with load_state_dict: the
+    # extra state is handed to set_extra_state (it was refused as unexpected, or with
+    # strict=False silently left unset), and checkpoint_wrapper's inner layer is filled under
+    # the name its state dict gives (it was refused as missing).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build() -> nn.Module:
+        return nn.Sequential(_WithExtraState(), checkpoint_wrapper(nn.Linear(3, 2)))
+
+    torch.manual_seed(0)
+    src = build()
+    src[0].scale = torch.arange(4.0)
+    torch.save(src.state_dict(), tmp_path / "m.pt")
+    assert "1.weight" in src.state_dict() and "0._extra_state" in src.state_dict()
+    if meta:
+        with torch.device("meta"):
+            model = build()
+    else:
+        model = build()
+    report = lazyckpt.load_into(model, tmp_path / "m.pt")
+    assert sorted(report.loaded) == sorted(src.state_dict()) and not report.missing
+    assert torch.equal(model[0].scale, torch.arange(4.0))
+    for key, value in src.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # Left out of the checkpoint, the extra state is missing, as load_state_dict says.
+    torch.save({k: v for k, v in src.state_dict().items() if "extra" not in k}, tmp_path / "n.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"missing \['0._extra_state'\]"):
+        lazyckpt.load_into(build(), tmp_path / "n.pt")
+
+
+def test_shard_dims_use_the_state_dict_names_of_checkpoint_wrapped_layers() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class ColumnParallelLinear(nn.Linear):  # fairscale's layers are told by class name
+        pass
+
+    model = nn.Sequential(checkpoint_wrapper(ColumnParallelLinear(3, 4)))
+    assert lazyckpt.get_shard_dims(model) == {"0.weight": 0, "0.bias": 0}
+
+
+def test_a_state_dict_hook_that_makes_tensors_is_refused_by_name(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+
+    def halve(module: nn.Module, sd: dict[str, torch.Tensor], prefix: str, local: object) -> None:
+        sd[prefix + "weight"] = sd[prefix + "weight"] / 2
+
+    model._register_state_dict_hook(halve)
+    with pytest.raises(ValueError, match=r"holds 'weight', a tensor that is none of the model's"):
+        lazyckpt.load_into(model, tmp_path / "m.pt")
+
+
+def test_a_graph_that_saved_a_parameter_refuses_backward_after_load_into(tmp_path: Path) -> None:
+    # Reads write the parameter's memory behind autograd's back: its version is bumped, as
+    # copy_ in load_state_dict bumps it, so the old graph cannot run backward on new values.
+    torch.save(nn.Linear(8, 8).state_dict(), tmp_path / "m.pt")
+    model = nn.Linear(8, 8)
+    loss = (model(torch.randn(2, 8, requires_grad=True)) ** 2).sum()  # saves the weight
+    before = model.weight._version
+    lazyckpt.load_into(model, tmp_path / "m.pt")
+    assert model.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 class _Tied(nn.Module):
     """Two names of one weight, the embedding first in module order but last by name."""
 
