@@ -465,7 +465,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "dtype": _dtype(output_dtype(p.entry.dtype, dtype)),
                     "shape": list(p.box.sizes),
                     "offsets": list(p.box.offsets),
-                    "bytes": p.nbytes,
+                    # The tensor the rank gets, in its output dtype (bytes_delivered counts
+                    # the boxes in the checkpoint's dtypes, as LoadStats does).
+                    "bytes": p.box.numel * output_dtype(p.entry.dtype, dtype).itemsize,
                     "files": sorted(str(f) for f in p.files()),
                 }
                 for p in plans
@@ -720,7 +722,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         loader = detect_loader(path)
     except (ModelCheckpointError, OSError) as exc:
         problems.add(exc)
-        return _verify_report(args, path, None, problems, 0, 0, 0)
+        return _verify_report(args, path, None, problems, 0, 0, 0, [])
     choice = resolve_shard_dims(args.shard_dims, loader, path, base)
     dims = choice.dims
     index, dropped = index_collecting(loader, path, dims, problems, base)
@@ -750,7 +752,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 crc_bytes += check_zip_crcs(tindex, problems, progress)
     # Replica copies read to be compared are in total_bytes_read already.
     read = stats.total_bytes_read + crc_bytes
-    return _verify_report(args, path, loader.name, problems, keys, files, read)
+    notes = [note for _, _, tindex, _ in targets for note in tindex.notes]
+    return _verify_report(args, path, loader.name, problems, keys, files, read, notes)
 
 
 def _verify_report(
@@ -761,7 +764,10 @@ def _verify_report(
     keys: int,
     files: int,
     bytes_read: int,
+    notes: Sequence[str],
 ) -> int:
+    """The verdict, with the index's notes: what it leaves out (files an index does not list,
+    keys it does not place, training state) is not checked, and not a problem."""
     ok = not problems
     if args.json:
         doc = {
@@ -773,10 +779,13 @@ def _verify_report(
             "files": files,
             "read": bool(args.read),
             "bytes_read": bytes_read,
+            "notes": list(notes),
         }
         print(json.dumps(doc, indent=2))
     else:
         what = f"{keys} tensors in {files} file(s) checked"
+        for note in notes:
+            print(f"note: {note}")
         for p in problems.items:
             print(f"FAIL {p}")
         if ok:
@@ -824,6 +833,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             f"{'|'.join(sorted(PRESETS))}|FILE.json"
         )
     _warn_no_dims(choice, index, args.tp)
+    for note in index.notes:  # what the index leaves out is not written either
+        _note(note)
     result = reshard(
         src,
         args.dst,
@@ -930,6 +941,14 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive, _rank = _int_at_least(1), _int_at_least(0)
 
 
+def _path(text: str) -> str:
+    """A path argument, never empty: ``""`` (an unset shell variable, ``"$OUT"``) would be the
+    current folder, which ``reshard --force`` would replace."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty (an unset shell variable?)")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line, like every other error (exit 2)."""
 
@@ -949,14 +968,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("inspect", help="format, source layout and every key (metadata only)")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", type=_path)
     _add_shard_dims(p)
     _add_no_restrict(p)
     _add_common(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("plan", help="dry run: the files, bytes and memory one rank's load needs")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", type=_path)
     p.add_argument("--tp", type=_positive, required=True, metavar="N", help="TP size")
     p.add_argument("--tp-rank", type=_rank, default=0, metavar="R", help="TP rank (default 0)")
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (default 1)")
@@ -968,7 +987,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("verify", help="every check that can be made; exit 1 naming each problem")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH", type=_path)
     _add_shard_dims(p)
     _add_no_restrict(p)
     p.add_argument(
@@ -980,8 +999,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("reshard", help="write the checkpoint for another TP size, atomically")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", type=_path)
+    p.add_argument("dst", metavar="DST", type=_path)
     p.add_argument("--tp", type=_positive, required=True, metavar="N", help="target TP size")
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (safetensors)")
     _add_shard_dims(p)
@@ -1007,7 +1026,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="build a small Llama MP-8 checkpoint and stream it to TP-2 and FSDP-4"
     )
-    p.add_argument("--keep", metavar="DIR", help="build the checkpoint in DIR and keep it")
+    p.add_argument(
+        "--keep", type=_path, metavar="DIR", help="build the checkpoint in DIR and keep it"
+    )
     _add_common(p)
     p.set_defaults(func=cmd_demo)
     return parser

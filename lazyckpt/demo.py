@@ -140,6 +140,8 @@ def peak_rss_growth() -> Iterator[list[int | None]]:
 
 def run_demo(*, keep: Path | None = None, as_json: bool = False, progress: bool = False) -> int:
     """Build, stream, check, report; 0 when every tensor matched, 1 otherwise."""
+    if keep is not None and keep.exists() and not keep.is_dir():
+        raise ValueError(f"--keep {keep}: not a folder; give a new or empty folder")
     if keep is not None and keep.exists() and any(keep.iterdir()):
         raise ValueError(f"--keep {keep}: the folder is not empty; give a new or empty folder")
     with tempfile.TemporaryDirectory(prefix="lazyckpt-demo-") as tmp:

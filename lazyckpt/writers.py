@@ -182,7 +182,8 @@ if _PACKED is not None:
 
 def _check_storable(spec: TensorSpec) -> None:
     """Refuse a tensor safetensors has no dtype for (or an ``F4`` one without a dim to hold
-    its pairs), naming the key: before anything is written, and again by the writer."""
+    its pairs, or one named as the header's metadata), naming the key: before anything is
+    written, and again by the writer."""
     if spec.dtype not in _ST_DTYPES or (spec.dtype == _PACKED and not spec.shape):
         dims = " and no dims" if spec.dtype == _PACKED and not spec.shape else ""
         fix = (
@@ -192,6 +193,11 @@ def _check_storable(spec: TensorSpec) -> None:
         )
         raise ValueError(
             f"key {spec.key!r} has dtype {spec.dtype}{dims}, which safetensors cannot store; {fix}"
+        )
+    if spec.key == "__metadata__":  # the header's own entry: a tensor there makes it unreadable
+        raise ValueError(
+            "key '__metadata__' is the name safetensors gives its header's metadata, so no "
+            "tensor can have it; use --format consolidated"
         )
 
 

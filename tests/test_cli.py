@@ -1047,3 +1047,77 @@ def test_options_refuse_what_they_would_ignore() -> None:
         lazyckpt.ModelCheckpointLoadOptions(dtype=torch.int8)
     with pytest.raises(ValueError, match=r"options\.mesh must be a torch\.distributed DeviceMesh"):
         lazyckpt.ModelCheckpointLoadOptions(mesh="x")  # type: ignore[arg-type]
+
+
+def test_an_empty_path_is_a_usage_error_and_replaces_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "$OUT" with OUT unset: "" was the current folder, which --force replaced (its files lost).
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.pt")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(work)
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", "", "--tp", "1", "--force")
+    assert rc == 2 and "the path is empty" in err
+    assert (work / "precious.txt").read_text() == "keep me"
+    for argv in (["inspect", ""], ["reshard", "", work / "out", "--tp", "1"]):
+        assert run(capsys, *argv)[0] == 2
+    (tmp_path / "afile").write_text("")
+    rc, _, err = run(capsys, "demo", "--keep", tmp_path / "afile")
+    assert rc == 2 and "not a folder" in err
+
+
+def test_a_key_named_as_the_safetensors_header_metadata_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Its entry replaced the header's metadata: a file no reader opens, written with exit 0.
+    torch.save({"__metadata__": torch.ones(2), "w": torch.ones(3)}, tmp_path / "m.pt")
+    rc, _, err = run(
+        capsys, "reshard", tmp_path / "m.pt", tmp_path / "out", "--tp", "1", "--format", "safetensors"
+    )
+    assert rc == 2 and "'__metadata__'" in err and "--format consolidated" in err
+    assert not (tmp_path / "out").exists()
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", tmp_path / "pth", "--tp", "1")
+    assert rc == 0, err
+    assert torch.equal(torch.load(tmp_path / "pth" / "consolidated.00.pth")["__metadata__"], torch.ones(2))
+
+
+def test_keys_an_index_does_not_place_in_a_file_are_noted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The index decides what loads; a key of a listed file it leaves out was dropped unsaid.
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.ones(2), "c": torch.zeros(3)}, src / "f1.safetensors")
+    save_file({"b": torch.ones(4)}, src / "f2.safetensors")
+    weight_map = {"a": "f1.safetensors", "b": "f2.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    said = "ignored 1 key(s) of f1.safetensors that model.safetensors.index.json does not place there: 'c'"
+    assert said in run_json(capsys, "inspect", src)["notes"]
+    assert said in run_json(capsys, "verify", src)["notes"]
+    rc, out, _ = run(capsys, "verify", src)
+    assert rc == 0 and f"note: {said}" in out
+    rc, _, err = run(capsys, "reshard", src, tmp_path / "out", "--tp", "1")
+    assert rc == 0 and f"lazyckpt: note: {said}" in err
+    assert sorted(torch.load(tmp_path / "out" / "consolidated.00.pth")) == ["a", "b"]
+
+
+def test_plan_gives_each_key_its_bytes_in_the_output_dtype(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    save_file({"w": torch.ones(10, 4, dtype=torch.bfloat16), "i": torch.arange(6)}, tmp_path / "m.safetensors")
+    doc = run_json(capsys, "plan", tmp_path / "m.safetensors", "--tp", "1", "--dtype", "fp32")
+    keys = {k["key"]: k for k in doc["keys"]}
+    assert keys["w"]["dtype"] == "float32" and keys["w"]["bytes"] == 10 * 4 * 4
+    assert keys["i"]["dtype"] == "int64" and keys["i"]["bytes"] == 6 * 8
+    assert doc["bytes_delivered"] == 10 * 4 * 2 + 6 * 8  # as LoadStats counts: before the cast
+
+
+def test_an_index_named_without_its_shards_format_is_told_how_to_name_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    (tmp_path / "foo.index.json").write_text(json.dumps({"weight_map": {"w": "m.safetensors"}}))
+    rc, _, err = run(capsys, "inspect", tmp_path / "foo.index.json")
+    assert rc == 1 and "*.safetensors.index.json" in err and "name it" in err

@@ -65,10 +65,17 @@ def detect_loader(path: str | os.PathLike[str]) -> IndexedCheckpointLoader:
         for loader in (DCP, SAFETENSORS, TORCH):
             if loader.supports_path(p):
                 return loader
+        if p.name.endswith(".index.json"):  # its name says which files it lists
+            raise UnknownCheckpointFormatError(
+                p,
+                "is an index whose name does not say its shards' format: name it "
+                "*.safetensors.index.json (safetensors shards) or *.bin.index.json, "
+                "*.pt.index.json or *.pth.index.json (torch.save shards), as Hugging Face does",
+            )
         raise UnknownCheckpointFormatError(
             p,
             "is not a checkpoint lazyckpt knows: expected .safetensors, a torch zip "
-            "(.pt/.pth/.bin), or an *.index.json",
+            "(.pt/.pth/.bin), or an index *.safetensors.index.json or *.bin.index.json",
         )
     if not p.is_dir():
         raise UnknownCheckpointFormatError(p, "is neither a file nor a folder")
@@ -136,7 +143,8 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
         )
     raise UnknownCheckpointFormatError(
         p,
-        "holds no checkpoint files: expected *.safetensors, *.pt/.pth/.bin, an *.index.json, "
+        "holds no checkpoint files: expected *.safetensors, *.pt/.pth/.bin, an index "
+        "(*.safetensors.index.json, *.bin.index.json), "
         "consolidated.NN.pth, tp_XX/ shards or a DCP .metadata"
         + (" (the folder is empty)" if not names else ""),
     )

@@ -126,6 +126,7 @@ def build_file_set_index(
     entries: dict[str, TensorEntry] = {}
     seen: dict[str, Path] = {}
     metadata = dict(file_set.metadata or {})
+    notes = list(file_set.notes or [])
     for path in file_set.files:
         tensors = read_file(path)
         if file_set.wanted is not None:
@@ -141,6 +142,13 @@ def build_file_set_index(
                     key=missing[0],
                 )
             keep = set(wanted)
+            unlisted = [t.key for t in tensors if t.key not in keep]
+            if unlisted:  # the index decides; what it leaves out is said, not dropped unsaid
+                more = f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+                notes.append(
+                    f"ignored {len(unlisted)} key(s) of {path.name} that {file_set.path.name} "
+                    f"does not place there: {', '.join(map(repr, unlisted[:3]))}{more}"
+                )
             tensors = [t for t in tensors if t.key in keep]
         for t in tensors:
             if t.key in seen:
@@ -164,6 +172,6 @@ def build_file_set_index(
         entries=entries,
         files=list(file_set.files),
         source_layout=f"{len(file_set.files)} file(s)" + (" via index" if file_set.wanted else ""),
-        notes=list(file_set.notes or []),
+        notes=notes,
         metadata=metadata,
     )
