@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from lazyckpt import forks
 
-__all__ = ["STREAM_DEFER", "PrivatePages", "private_pages"]
+__all__ = ["STREAM_DEFER", "PrivatePages", "private_pages", "sweep"]
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
@@ -168,8 +168,14 @@ class PrivatePages:
     Python callback). Written pages then outlive their view by at most one batch of the stream,
     or until the end of the stream."""
 
-    def __init__(self, lease: ctypes.Array[ctypes.c_char], defer: int = 0) -> None:
+    def __init__(
+        self, lease: ctypes.Array[ctypes.c_char], defer: int = 0, owner: object | None = None
+    ) -> None:
         self._lease = lease
+        self._owner = None if owner is None else weakref.ref(owner)
+        """What calls :meth:`flush` when it closes (the reader's open file): if it went without
+        (a Ctrl-C inside its close), :func:`sweep` flushes instead."""
+        self._flushed = False
         self.address = ctypes.addressof(lease)
         self._live: dict[int, tuple[int, int, int, weakref.ref[memoryview]]] = {}
         self._died: collections.deque[weakref.ref[memoryview]] = collections.deque()
@@ -277,6 +283,12 @@ class PrivatePages:
             if not self._live:
                 _ACTIVE.discard(self)
             self._flush()
+            self._flushed = True
+
+    def orphaned(self) -> bool:
+        """Whether its owner went without flushing it: its views that went are read by nobody,
+        and it stays in ``_ACTIVE`` (with its mapping) for good."""
+        return not self._flushed and self._owner is not None and self._owner() is None
 
     def _flush(self, start: int = 0, stop: int = -1) -> None:
         """Check the views that went (those that share a page with ``[start, stop)``, if
@@ -321,6 +333,14 @@ _ACTIVE: set[PrivatePages] = set()
 """Every :class:`PrivatePages` with a live view. Without this, once the reader closed, the only
 references to one were its own (its views' callbacks): a collection freed it, and with it the
 callbacks, and no page was given back from then on."""
+
+
+def sweep() -> None:
+    """Flush every :class:`PrivatePages` whose owner went without flushing it (a Ctrl-C in a
+    reader's close): its mapping and descriptor are then let go once its views are. Each load
+    sweeps when it starts, so an interrupted load keeps them until the next one."""
+    for pages in [p for p in _ACTIVE if p.orphaned()]:
+        pages.flush()
 
 
 def _after_fork_in_child() -> None:

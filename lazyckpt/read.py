@@ -30,6 +30,7 @@ import math
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -92,11 +93,15 @@ class _OpenFile:
         """The path as :class:`LoadStats` counts it."""
         self._defer = defer
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # Closes the descriptor once: at close(), or when the object goes unclosed (a Ctrl-C
+        # between here and the reader's listing of it, or inside the reader's close()).
+        self._closer = weakref.finalize(self, os.close, self.fd)
+        self._closer.atexit = False
         try:
             st = os.fstat(self.fd)
             readahead.no_readahead(self.fd)
         except BaseException:  # an OSError, or a Ctrl-C: the descriptor is not left open
-            os.close(self.fd)
+            self._closer()
             raise
         self.size = st.st_size
         self.stamp = file_stamp(st)
@@ -123,7 +128,7 @@ class _OpenFile:
         hands out views needs that: ``load_into`` copies from the mapping and watches nothing
         (closing eight files' watches took it 0.1-0.15 ms)."""
         if self.pages is None:
-            self.pages = cow.PrivatePages(self.mapping(), self._defer)
+            self.pages = cow.PrivatePages(self.mapping(), self._defer, owner=self)
 
     def window(self, start: int, stop: int, probe: int) -> memoryview:
         """Bytes ``[start, stop)`` of the mapping, as a buffer of their own: tensors made from
@@ -163,9 +168,8 @@ class _OpenFile:
         self._map = self._bytes = self.pages = None
         # Once, and the number forgotten: by then it may be another file's, which a worker
         # still building for a stream closed under it would read (or close again).
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self.fd = -1
+        self._closer()
 
 
 class ViewSpot(NamedTuple):
@@ -235,6 +239,7 @@ class Reader:
         forks.renew_lock_in_child(self, threading.RLock)
         self._local = threading.local()
         self._closed = False
+        cow.sweep()  # the mappings a Ctrl-C in an earlier load's close left watched
 
     def __enter__(self) -> Reader:
         return self

@@ -564,3 +564,38 @@ def test_a_stream_dropped_in_a_reference_cycle_closes_cleanly(
     assert not set(_prefetch_workers()) - workers_before, "a closed stream's worker is left"
     assert unraisable == [], unraisable
     assert _open_under(tmp_path) == 0
+
+
+def test_a_ctrl_c_opening_a_file_or_closing_its_watch_leaks_nothing_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Opened but not yet listed by the reader, a file's descriptor stayed open for good; a
+    # watch of views whose flush was cut kept its mapping (and descriptor) for good. Now the
+    # descriptor goes with its object, and the next load flushes the watch its owner left.
+    from lazyckpt import cow, read, unmap
+
+    save_file({"k": torch.randn(64, 64)}, tmp_path / "m.safetensors")
+    loader = lazyckpt.get_model_checkpoint_loader()
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(read, "file_stamp", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            list(loader.lazy_load(tmp_path / "m.safetensors", {}))
+    gc.collect()
+    assert _open_under(tmp_path) == 0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cow.PrivatePages, "flush", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            for _key, _tensor in loader.lazy_load(tmp_path / "m.safetensors", {}):
+                pass
+    del _tensor
+    gc.collect()
+    got = dict(loader.lazy_load(tmp_path / "m.safetensors", {}, lazyckpt.ModelCheckpointLoadOptions(mmap=False)))
+    assert set(got) == {"k"}
+    gc.collect()
+    unmap.wait()
+    assert _open_under(tmp_path) == 0 and not _mapped(tmp_path / "m.safetensors")
