@@ -38,7 +38,7 @@ from lazyckpt.options import (
 )
 from lazyckpt.plan import Box, mesh_box, repeats_elements, span
 from lazyckpt.read import Reader
-from lazyckpt.state_names import extra_states, state_dict_renames, tree_tensors
+from lazyckpt.state_names import model_keys
 from lazyckpt.stats import LoadStats, byte_bar
 
 __all__ = ["KeyMismatchError", "LoadReport", "load_into"]
@@ -129,16 +129,16 @@ def _targets(model: nn.Module) -> tuple[dict[str, _Target], dict[str, nn.Module]
     """The model's state-dict keys (parameters and persistent buffers), ties included, and
     the keys of its modules' extra state, under the names its state dict gives them
     (:mod:`lazyckpt.state_names`)."""
-    renames = state_dict_renames(model)
+    keys = model_keys(model)
     out: dict[str, _Target] = {}
-    for path, module, attr, t, is_param in tree_tensors(model):
-        key = path if renames is None else renames[path]
+    for path, module, attr, t, is_param in keys.tensors:
+        key = keys.key(path)
         if key is not None:
             _refuse_lazy(key, t)
             out.setdefault(key, _Target(t, [])).owners.append((module, attr, is_param))
     extras: dict[str, nn.Module] = {}
-    for path, module in extra_states(model).items():
-        key = path if renames is None else renames[path]
+    for path, module in keys.extras.items():
+        key = keys.key(path)
         if key is not None:
             extras[key] = module
     return out, extras
@@ -671,12 +671,18 @@ def _mark_written(
     refuse to run backward ("modified by an inplace operation"), not use the new ones."""
     from torch.autograd.graph import increment_version
 
+    written = []
     for plan in plans:
-        t = targets[plan.key].tensor
-        if not t.is_meta:
+        target = targets[plan.key]
+        if not target.tensor.is_meta:
+            written.append(target.tensor)
+            if target.is_dtensor:
+                written.append(dests[plan.key])
+    try:
+        increment_version(written)  # one call (torch 2.5+ takes a list)
+    except TypeError:
+        for t in written:
             increment_version(t)
-            if targets[plan.key].is_dtensor:
-                increment_version(dests[plan.key])
 
 
 def _install_materialized(
