@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
@@ -645,24 +646,38 @@ def read_collecting(
 
 
 def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -> int:
-    """Check the CRC-32 that ``torch.save`` stores for every record of every zip file, naming
-    the keys whose bytes a bad record holds. Returns the bytes checked."""
+    """Check the CRC-32 that ``torch.save`` stores for every record of every zip: the files of
+    torch formats, and each DCP chunk's record (a zip of its own inside a ``.distcp`` file).
+    Names the keys whose bytes a bad record holds. Returns the bytes checked."""
     owners: dict[Path, list[tuple[int, int, str]]] = {}
+    windows: dict[tuple[Path, int, int], list[tuple[int, int, str]]] = {}
     for entry in index:
         for copy in entry.copies:
             for chunk in copy:
-                if isinstance(chunk.data, FileRegion) and chunk.numel:
-                    region = chunk.data
-                    stop = region.byte_offset + entry.dtype.itemsize * span(
-                        chunk.sizes, region.strides
+                data = chunk.data
+                if isinstance(data, LazyRegion) and data.window is not None:
+                    offset, length = data.window
+                    windows.setdefault((data.path, offset, length), []).append(
+                        (0, length, entry.key)
                     )
-                    owners.setdefault(region.path, []).append((region.byte_offset, stop, entry.key))
-    zips = [f for f in index.files if zipfile.is_zipfile(f)]
-    total = sum(f.stat().st_size for f in zips)
+                elif isinstance(data, FileRegion) and chunk.numel:
+                    stop = data.byte_offset + entry.dtype.itemsize * span(chunk.sizes, data.strides)
+                    owners.setdefault(data.path, []).append((data.byte_offset, stop, entry.key))
+    zips: list[tuple[Path, int, int, list[tuple[int, int, str]], str]] = []
+    if index.format in _TORCH_ZIP_FORMATS:
+        zips += [
+            (f, 0, f.stat().st_size, owners.get(f, []), "")
+            for f in index.files
+            if zipfile.is_zipfile(f)
+        ]
+    zips += [
+        (f, offset, length, keys, f"the chunk at byte {offset}: ")
+        for (f, offset, length), keys in windows.items()
+    ]
     checked = 0
-    with byte_bar(total, "checking CRC-32", enabled=progress) as bar:
-        for f in zips:
-            with open(f, "rb") as raw, zipfile.ZipFile(raw) as zf:
+    with byte_bar(sum(z[2] for z in zips), "checking CRC-32", enabled=progress) as bar:
+        for f, offset, length, keyed, where in zips:
+            with open(f, "rb") as raw, zipfile.ZipFile(_Window(raw, offset, length)) as zf:
                 for info in zf.infolist():
                     if info.CRC == 0 or info.file_size == 0:
                         continue  # written without CRC-32s: nothing to compare with
@@ -672,17 +687,45 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
                                 bar.update(len(block))
                                 checked += len(block)
                     except zipfile.BadZipFile as exc:
-                        start = _record_start(raw, info)
+                        start = _record_start(zf.fp, info)
                         stop = start + info.file_size
-                        keys = sorted(
-                            {k for a, b, k in owners.get(f, []) if a < stop and b > start}
-                        )
+                        keys = sorted({k for a, b, k in keyed if a < stop and b > start})
                         named = ", ".join(f"key {k!r}" for k in keys) or "no tensor"
                         problems.add(
-                            f"{f}: {named}: record {info.filename} fails its CRC-32 check "
-                            f"({exc}); the bytes are damaged: copy the file again"
+                            f"{f}: {named}: {where}record {info.filename} fails its CRC-32 "
+                            f"check ({exc}); the bytes are damaged: copy the file again"
                         )
     return checked
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, as a file of their own (a DCP
+    chunk's zip, which ``zipfile`` reads with its offsets from its own start)."""
+
+    def __init__(self, raw: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = raw.fileno(), offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(base + pos, 0)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(min(len(buf), self._length - self._pos), 0)
+        data = os.pread(self._fd, n, self._offset + self._pos) if n else b""
+        buf[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
 
 
 def _record_start(raw: Any, info: zipfile.ZipInfo) -> int:
@@ -748,8 +791,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         bad = check_entries(tindex, dims, problems) | tdropped
         if args.read:
             read_collecting(tloader, tpath, dims, bad, problems, stats, progress, base)
-            if tindex.format in _TORCH_ZIP_FORMATS:
-                crc_bytes += check_zip_crcs(tindex, problems, progress)
+            crc_bytes += check_zip_crcs(tindex, problems, progress)
     # Replica copies read to be compared are in total_bytes_read already.
     read = stats.total_bytes_read + crc_bytes
     notes = [note for _, _, tindex, _ in targets for note in tindex.notes]

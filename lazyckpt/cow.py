@@ -339,8 +339,9 @@ def sweep() -> None:
     """Flush every :class:`PrivatePages` whose owner went without flushing it (a Ctrl-C in a
     reader's close): its mapping and descriptor are then let go once its views are. Each load
     sweeps when it starts, so an interrupted load keeps them until the next one."""
-    for pages in [p for p in _ACTIVE if p.orphaned()]:
-        pages.flush()
+    for pages in list(_ACTIVE):  # a copy made at once: other threads' views come and go
+        if pages.orphaned():
+            pages.flush()
 
 
 def _after_fork_in_child() -> None:

@@ -68,6 +68,9 @@ class LazyRegion:
 
     path: Path
     locate: Callable[[int | None, int | None], FileRegion]
+    window: tuple[int, int] | None = None
+    """``(offset, length)`` of the zip of its own that holds the region (a DCP chunk's
+    ``torch.save`` record), whose CRC-32s ``lazyckpt verify --read`` checks."""
     _found: FileRegion | None = field(default=None, repr=False)
 
     def resolve(self, fd: int | None = None, size: int | None = None) -> FileRegion:

@@ -82,8 +82,13 @@ class Layout:
                     f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index), or name "
                     "the mesh dims (init_device_mesh(..., mesh_dim_names=('tp',)) or ('dp',))"
                 )
-        tp_size, tp_rank = _mesh_dim(mesh, tp_dim, names, "tp_dim")
-        dp_size, dp_rank = _mesh_dim(mesh, dp_dim, names, "dp_dim")
+        tp_at, tp_size, tp_rank = _mesh_dim(mesh, tp_dim, names, "tp_dim")
+        dp_at, dp_size, dp_rank = _mesh_dim(mesh, dp_dim, names, "dp_dim")
+        if tp_at is not None and tp_at == dp_at:  # the ranks along it would skip half the boxes
+            raise ValueError(
+                f"Layout.from_mesh: tp_dim={tp_dim!r} and dp_dim={dp_dim!r} are one mesh dim; "
+                "give TP and DP dims of their own"
+            )
         return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
 
     @classmethod
@@ -105,9 +110,10 @@ class Layout:
 
 def _mesh_dim(
     mesh: DeviceMesh, dim: str | int | None, names: tuple[str, ...], arg: str
-) -> tuple[int, int]:
+) -> tuple[int | None, int, int]:
+    """The mesh dim's index, and this process's size and rank along it."""
     if dim is None:
-        return 1, 0
+        return None, 1, 0
     if isinstance(dim, str):
         if dim not in names:
             raise ValueError(f"Layout.from_mesh: {arg}={dim!r} is not a mesh dim name {names}")
@@ -118,4 +124,4 @@ def _mesh_dim(
             raise ValueError(
                 f"Layout.from_mesh: {arg}={dim} is out of range for a {mesh.ndim}-D mesh"
             )
-    return mesh.size(index), mesh.get_local_rank(index)
+    return index, mesh.size(index), mesh.get_local_rank(index)

@@ -133,15 +133,9 @@ def _targets(model: nn.Module) -> tuple[dict[str, _Target], dict[str, nn.Module]
     out: dict[str, _Target] = {}
     for path, module, attr, t, is_param in keys.tensors:
         key = keys.key(path)
-        if key is not None:
-            _refuse_lazy(key, t)
-            out.setdefault(key, _Target(t, [])).owners.append((module, attr, is_param))
-    extras: dict[str, nn.Module] = {}
-    for path, module in keys.extras.items():
-        key = keys.key(path)
-        if key is not None:
-            extras[key] = module
-    return out, extras
+        _refuse_lazy(key, t)
+        out.setdefault(key, _Target(t, [])).owners.append((module, attr, is_param))
+    return out, {keys.key(path): module for path, module in keys.extras.items()}
 
 
 def _refuse_lazy(key: str, t: torch.Tensor) -> None:
@@ -674,7 +668,7 @@ def _mark_written(
     written = []
     for plan in plans:
         target = targets[plan.key]
-        if not target.tensor.is_meta:
+        if not target.tensor.is_meta and not target.tensor.is_inference():  # no version
             written.append(target.tensor)
             if target.is_dtensor:
                 written.append(dests[plan.key])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,18 +29,23 @@ def castable(dtype: torch.dtype) -> bool:
 
 
 _PACKED = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
-_OPAQUE = _PACKED | frozenset(
-    d
-    for d in (getattr(torch, n, None) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"))
-    if d is not None
-)
-"""Dtypes ``copy_`` copies only into themselves: the packed float4 and the raw ``bits*``."""
 
 
+@functools.cache
 def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether ``copy_`` fills a ``dst`` tensor from a ``src`` one (``load_into`` casts each key
-    to its parameter's dtype, as ``load_state_dict`` does)."""
-    return src == dst or (src not in _OPAQUE and dst not in _OPAQUE)
+    to its parameter's dtype, as ``load_state_dict`` does). Asked of torch with one element:
+    it has no kernel between the packed float4, ``bits*``, the sub-byte integers or the
+    quantized dtypes and another dtype, and which it lacks changes with its versions."""
+    if src == dst:
+        return True
+    try:
+        with warnings.catch_warnings():  # the load's own copy says what it has to say
+            warnings.simplefilter("ignore")
+            torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]

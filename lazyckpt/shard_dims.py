@@ -51,8 +51,7 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     renames = state_dict_renames(model)  # the names a checkpoint of the model holds
     if renames is None:
         return dims
-    named = ((renames.get(name, name), dim) for name, dim in dims.items())
-    return {name: dim for name, dim in named if name is not None}
+    return {renames.get(name, name): dim for name, dim in dims.items()}
 
 
 def _has_fsdp(model: nn.Module) -> bool:

@@ -8,10 +8,12 @@ state-dict post-hook may rename those keys, and the checkpoint then holds the ne
 Where such a hook (or an override of ``state_dict``/``_save_to_state_dict``) is present, the
 names come from ``model.state_dict(keep_vars=True)``, whose values are the model's own tensors:
 the i-th key holding a tensor is matched to the i-th path holding it (the two walks visit
-modules in the same order).
+modules in the same order). Names are only ever changed, never dropped: ``load_state_dict``
+expects every path (under its name), whatever a hook leaves out of the state dict.
 
-A module that overrides ``get_extra_state`` saves its return value as ``<prefix>_extra_state``
-(:attr:`ModelKeys.extras`); ``load_into`` hands the checkpoint's tensor there to ``set_extra_state``.
+A module that overrides ``get_extra_state`` saves its return value as ``<prefix>_extra_state``;
+one that overrides ``set_extra_state`` expects it (:attr:`ModelKeys.extras`), and ``load_into``
+hands it the checkpoint's tensor there.
 """
 
 from __future__ import annotations
@@ -35,27 +37,25 @@ class ModelKeys(NamedTuple):
     """``(path, module, attribute, tensor, is_parameter)`` for every parameter and persistent
     buffer, each place it is held (a shared module's under each of its paths)."""
     extras: dict[str, nn.Module]
-    """``{path of its _extra_state key: module}`` for the modules whose extra state a state
-    dict holds (those overriding ``get_extra_state``)."""
-    renames: dict[str, str | None] | None
-    """``{path: state-dict key}`` for every path above, ``None`` for a path the state dict
-    leaves out; ``None`` where no module can rename (the paths are the keys)."""
+    """``{path of its _extra_state key: module}`` for the modules that take an extra state
+    (those overriding ``set_extra_state``, as ``load_state_dict`` tells them)."""
+    renames: dict[str, str] | None
+    """``{path: state-dict key}`` for every path above; ``None`` where no module can rename
+    (the paths are the keys)."""
 
-    def key(self, path: str) -> str | None:
+    def key(self, path: str) -> str:
         return path if self.renames is None else self.renames[path]
 
 
 def model_keys(model: nn.Module) -> ModelKeys:
     """The model's tensors and extra states by path, and their state-dict names where a module
     may rename them: one walk of the tree, and ``state_dict()`` only where a module has a
-    state-dict post-hook or overrides ``state_dict``/``_save_to_state_dict``. Raises
-    ``ValueError`` for a state-dict key holding a tensor that is none of the model's parameters
-    and buffers: a hook made it, and ``load_into`` fills tensors in place."""
+    state-dict post-hook or overrides ``state_dict``/``_save_to_state_dict``."""
     tensors: list[tuple[str, nn.Module, str, torch.Tensor, bool]] = []
     extras: dict[str, nn.Module] = {}
     renames = False
     base_state_dict, base_save = nn.Module.state_dict, nn.Module._save_to_state_dict
-    base_extra = nn.Module.get_extra_state
+    base_extra = nn.Module.set_extra_state
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         for attr, p in module._parameters.items():
@@ -66,7 +66,7 @@ def model_keys(model: nn.Module) -> ModelKeys:
             if b is not None and attr not in persistent_only:
                 tensors.append((prefix + attr, module, attr, b, False))
         cls = type(module)
-        if cls.get_extra_state is not base_extra:
+        if cls.set_extra_state is not base_extra:  # what load_state_dict asks for
             extras[prefix + EXTRA] = module
         if not renames and (
             module._state_dict_hooks
@@ -78,7 +78,7 @@ def model_keys(model: nn.Module) -> ModelKeys:
     return ModelKeys(tensors, extras, names)
 
 
-def state_dict_renames(model: nn.Module) -> dict[str, str | None] | None:
+def state_dict_renames(model: nn.Module) -> dict[str, str] | None:
     """:attr:`ModelKeys.renames` of ``model``."""
     return model_keys(model).renames
 
@@ -87,23 +87,30 @@ def _renames(
     model: nn.Module,
     tensors: list[tuple[str, nn.Module, str, torch.Tensor, bool]],
     extras: dict[str, nn.Module],
-) -> dict[str, str | None]:
+) -> dict[str, str] | None:
+    """Each path's name in ``model.state_dict(keep_vars=True)``, where that holds the path's
+    own tensor; a path it leaves out, or holds another tensor under (a hook that casts, or
+    saves only adapters), keeps its path, as ``load_state_dict`` expects its key there. Extra
+    states are matched by path first, then the rest in order. None where ``state_dict`` cannot
+    be called so (an override without ``keep_vars``)."""
+    try:
+        state = model.state_dict(keep_vars=True)
+    except Exception:  # its own business: the paths are the names then
+        return None
     paths: dict[int, collections.deque[str]] = {}
     for path, _, _, t, _ in tensors:
         paths.setdefault(id(t), collections.deque()).append(path)
-    unnamed = collections.deque(extras)
-    out: dict[str, str | None] = dict.fromkeys(path for path, *_ in tensors)
-    out.update(dict.fromkeys(extras))
-    for key, value in model.state_dict(keep_vars=True).items():
+    out = {path: path for path, *_ in tensors}
+    out.update((path, path) for path in extras)
+    extra_keys = []
+    for key, value in state.items():
         held = paths.get(id(value)) if isinstance(value, torch.Tensor) else None
         if held:
             out[held.popleft()] = key
-        elif key.rsplit(".", 1)[-1] == EXTRA and unnamed:
-            out[unnamed.popleft()] = key
-        elif isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"model.state_dict() holds {key!r}, a tensor that is none of the model's "
-                "parameters and buffers (a state-dict hook made it): load_into fills the "
-                "model's tensors in place; load this model with load_state_dict"
-            )
+        elif key.rsplit(".", 1)[-1] == EXTRA:
+            extra_keys.append(key)
+    unmatched = [path for path in extras if path not in extra_keys]
+    renamed = [key for key in extra_keys if key not in extras]
+    if len(unmatched) == len(renamed):
+        out.update(zip(unmatched, renamed))
     return out

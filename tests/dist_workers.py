@@ -420,6 +420,13 @@ def check_layout_helpers(rank: int, world: int) -> None:
     want = lazyckpt.Layout(tp_size=2, tp_rank=rank % 2, dp_size=2, dp_rank=rank // 2)
     assert lazyckpt.Layout.from_mesh(mesh) == want
     assert lazyckpt.Layout.from_mesh(mesh, tp_dim=1, dp_dim=0) == want
+    for tp_dim, dp_dim in (("tp", "tp"), (1, "tp"), (0, 0)):  # half the (tp, dp) boxes unread
+        try:
+            lazyckpt.Layout.from_mesh(mesh, tp_dim=tp_dim, dp_dim=dp_dim)
+        except ValueError as exc:
+            assert "are one mesh dim" in str(exc), exc
+        else:
+            raise AssertionError(f"tp_dim={tp_dim!r}, dp_dim={dp_dim!r} must be refused")
     assert lazyckpt.Layout.from_groups(
         tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp")
     ) == want

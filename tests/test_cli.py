@@ -1121,3 +1121,27 @@ def test_an_index_named_without_its_shards_format_is_told_how_to_name_it(
     (tmp_path / "foo.index.json").write_text(json.dumps({"weight_map": {"w": "m.safetensors"}}))
     rc, _, err = run(capsys, "inspect", tmp_path / "foo.index.json")
     assert rc == 1 and "*.safetensors.index.json" in err and "name it" in err
+
+
+def test_verify_read_checks_the_crc_of_every_dcp_chunk(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Each chunk of a .distcp file is a torch.save zip of its own, with CRC-32s; verify --read
+    # checked only torch files' and said OK over a flipped bit a load then yields.
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"a": torch.randn(64, 8), "b": torch.arange(32.0)}
+    dcp.save(sd, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    rc, out, _ = run(capsys, "verify", tmp_path / "dcp", "--read")
+    assert rc == 0, out
+    index = lazyckpt.loaders.detect_loader(tmp_path / "dcp").index(tmp_path / "dcp")
+    region = index.entries["a"].copies[0][0].data.resolve()
+    with open(region.path, "r+b") as f:
+        f.seek(region.byte_offset + 100)
+        byte = f.read(1)
+        f.seek(region.byte_offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    rc, out, _ = run(capsys, "verify", tmp_path / "dcp", "--read")
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 1 and len(fails) == 1, out
+    assert "key 'a'" in fails[0] and "the chunk at byte" in fails[0] and "CRC-32" in fails[0]

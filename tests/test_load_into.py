@@ -227,6 +227,12 @@ def test_a_dtype_torch_cannot_convert_raises_before_anything_is_written(
     with pytest.raises(lazyckpt.KeyMismatchError, match=rf"w: checkpoint torch.float4_e2m1fn_x2, model {model_dtype}"):
         lazyckpt.load_into(model, tmp_path / "m.safetensors")
     assert torch.equal(model.a.detach(), torch.zeros(5))
+    model.register_buffer("q", torch.zeros(3, dtype=torch.uint4))  # sub-byte integers too
+    save_file({"a": torch.full((5,), 2.0), "q": torch.ones(3, dtype=torch.uint8)}, tmp_path / "q.safetensors")
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"q: checkpoint torch.uint8, model torch.uint4"):
+        lazyckpt.load_into(model, tmp_path / "q.safetensors", strict=False)
+    assert torch.equal(model.a.detach(), torch.zeros(5))
+    del model.q
     # Its own dtype loads.
     model.w = nn.Parameter(torch.zeros(4, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), requires_grad=False)
     lazyckpt.load_into(model, tmp_path / "m.safetensors")
@@ -293,16 +299,67 @@ def test_shard_dims_use_the_state_dict_names_of_checkpoint_wrapped_layers() -> N
     assert lazyckpt.get_shard_dims(model) == {"0.weight": 0, "0.bias": 0}
 
 
-def test_a_state_dict_hook_that_makes_tensors_is_refused_by_name(tmp_path: Path) -> None:
-    model = nn.Linear(2, 2)
-    torch.save(model.state_dict(), tmp_path / "m.pt")
+def test_state_dicts_that_hooks_change_or_thin_leave_every_tensor_under_its_path(
+    tmp_path: Path,
+) -> None:
+    # Names come from the state dict only where it holds the path's own tensor: a hook that
+    # casts, an override that saves only adapters, a state_dict() without keep_vars, or one
+    # module's extra state left out must not drop paths load_state_dict expects (they were
+    # left unloaded, or the load refused), nor hand one module's extra state to another.
+    source = nn.Linear(2, 2)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
 
     def halve(module: nn.Module, sd: dict[str, torch.Tensor], prefix: str, local: object) -> None:
         sd[prefix + "weight"] = sd[prefix + "weight"] / 2
 
-    model._register_state_dict_hook(halve)
-    with pytest.raises(ValueError, match=r"holds 'weight', a tensor that is none of the model's"):
-        lazyckpt.load_into(model, tmp_path / "m.pt")
+    casting = nn.Linear(2, 2)
+    casting._register_state_dict_hook(halve)
+    lazyckpt.load_into(casting, tmp_path / "m.pt")
+    assert torch.equal(casting.weight.detach(), source.weight.detach())
+
+    class Adapter(nn.Linear):  # saves only what training changed, as LoRA wrappers do
+        def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:
+            return {}
+
+    with torch.device("meta"):
+        adapted = nn.Sequential(Adapter(2, 2))
+    torch.save({f"0.{k}": v for k, v in source.state_dict().items()}, tmp_path / "base.pt")
+    lazyckpt.load_into(adapted, tmp_path / "base.pt")
+    assert torch.equal(adapted[0].weight.detach(), source.weight.detach())
+
+    class Legacy(nn.Linear):
+        def state_dict(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            return {"weight": self.weight.detach(), "bias": self.bias.detach()}
+
+    legacy = Legacy(2, 2)
+    lazyckpt.load_into(legacy, tmp_path / "m.pt")
+    assert torch.equal(legacy.bias.detach(), source.bias.detach())
+
+    class Tagged(nn.Module):
+        def __init__(self, tag: float) -> None:
+            super().__init__()
+            self.tag, self.got = tag, None
+
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.tensor([self.tag])
+
+        def set_extra_state(self, state: torch.Tensor) -> None:
+            self.got = state
+
+    def drop_a(module: nn.Module, sd: dict[str, torch.Tensor], prefix: str, local: object) -> None:
+        sd.pop(prefix + "a._extra_state")
+
+    def two() -> nn.Module:
+        model = nn.Module()
+        model.a, model.b = Tagged(1.0), Tagged(2.0)
+        model._register_state_dict_hook(drop_a)
+        return model
+
+    torch.save(two().state_dict(), tmp_path / "extra.pt")
+    model = two()
+    report = lazyckpt.load_into(model, tmp_path / "extra.pt", strict=False)
+    assert model.a.got is None and torch.equal(model.b.got, torch.tensor([2.0]))
+    assert report.missing == ["a._extra_state"]
 
 
 def test_a_graph_that_saved_a_parameter_refuses_backward_after_load_into(tmp_path: Path) -> None:

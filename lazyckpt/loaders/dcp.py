@@ -563,7 +563,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         locate = functools.partial(
             _locate, file, offset, length, fqn, dtype, sizes, restrict, memo, shapes
         )
-        return LazyRegion(file, locate)
+        return LazyRegion(file, locate, (offset, length))
 
 
 def _locate(
