@@ -964,10 +964,11 @@ def _pread_into(f: _OpenFile, offset: int, view: memoryview, key: str) -> None:
     while done < nbytes:
         n = os.preadv(f.fd, [view[done:]], offset + done)
         if n == 0:
+            size = os.fstat(f.fd).st_size  # where it ends now (it shrank while loading)
             raise CorruptModelCheckpointError(
                 f.path,
-                f"key {key!r}: the file ended at byte {offset + done} while reading {nbytes} "
-                f"bytes at {offset}; it is truncated: copy it again",
+                f"key {key!r}: the file ends at byte {size}, short of the {nbytes} bytes at "
+                f"{offset} it needs; it is truncated: copy it again",
                 key=key,
             )
         done += n

@@ -1602,3 +1602,14 @@ def test_a_safetensors_header_json_cannot_read_is_a_checkpoint_error(
     path.write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="header"):
         lazyckpt.get_model_checkpoint_loader().lazy_load(path, {})
+
+
+def test_a_file_truncated_mid_stream_is_told_where_it_now_ends(tmp_path: Path) -> None:
+    # The message gave the read's start as the file's end ("ended at byte 262576").
+    save_file({f"k{i}": torch.randn(64, 1024) for i in range(3)}, tmp_path / "a.safetensors")
+    opts = lazyckpt.ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "a.safetensors", {}, opts)
+    next(stream)
+    os.truncate(tmp_path / "a.safetensors", 4096)
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"key 'k1': the file ends at byte 4096, short of"):
+        next(stream)
