@@ -387,10 +387,15 @@ def load_into(
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
     cpu = torch.device("cpu")
-    destinations = {
-        p.key: _destination(p.key, targets[p.key], cpu if p.key in extras else device)
-        for p in plans
-    }
+    destinations: dict[str, torch.Tensor] = {}
+    in_place: list[torch.Tensor] = []  # filled behind autograd's back: see _mark_written
+    for p in plans:
+        target = targets[p.key]
+        dest = destinations[p.key] = _destination(p.key, target, cpu if p.key in extras else device)
+        if target.is_dtensor:
+            in_place += (target.tensor, dest)
+        elif dest is target.tensor and not dest.is_inference():  # an inference one has none
+            in_place.append(dest)
     for p in plans:  # an empty shard held in another empty shape (see _box) takes the box's
         if tuple(destinations[p.key].shape) != p.box.sizes:
             destinations[p.key] = destinations[p.key].view(p.box.sizes)
@@ -414,7 +419,7 @@ def load_into(
         differ = _differing_ties(ties, destinations, reader, pool) if ties else []
         if pool is not None:
             pool.synchronize()
-    _mark_written(plans, targets, destinations)
+    _mark_written(in_place)
     _install_materialized(targets, destinations)
     for key, module in extras.items():
         if key in destinations:
@@ -657,25 +662,17 @@ def _refuse_shared_elements(key: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mark_written(
-    plans: Sequence[TensorPlan], targets: Mapping[str, _Target], dests: Mapping[str, torch.Tensor]
-) -> None:
+def _mark_written(tensors: list[torch.Tensor]) -> None:
     """Bump the autograd version of every tensor filled in place, as ``copy_`` would: reads
     write their memory behind autograd's back, and a graph that saved the old values must
-    refuse to run backward ("modified by an inplace operation"), not use the new ones."""
+    refuse to run backward ("modified by an inplace operation"), not use the new ones. A
+    DTensor counts its versions apart from its local shard: both are bumped."""
     from torch.autograd.graph import increment_version
 
-    written = []
-    for plan in plans:
-        target = targets[plan.key]
-        if not target.tensor.is_meta and not target.tensor.is_inference():  # no version
-            written.append(target.tensor)
-            if target.is_dtensor:
-                written.append(dests[plan.key])
     try:
-        increment_version(written)  # one call (torch 2.5+ takes a list)
+        increment_version(tensors)  # one call (torch 2.5+ takes a list)
     except TypeError:
-        for t in written:
+        for t in tensors:
             increment_version(t)
 
 
