@@ -677,24 +677,50 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
     checked = 0
     with byte_bar(sum(z[2] for z in zips), "checking CRC-32", enabled=progress) as bar:
         for f, offset, length, keyed, where in zips:
-            with open(f, "rb") as raw, zipfile.ZipFile(_Window(raw, offset, length)) as zf:
-                for info in zf.infolist():
-                    if info.CRC == 0 or info.file_size == 0:
-                        continue  # written without CRC-32s: nothing to compare with
-                    try:
-                        with zf.open(info) as member:
-                            while block := member.read(16 << 20):
-                                bar.update(len(block))
-                                checked += len(block)
-                    except zipfile.BadZipFile as exc:
-                        start = _record_start(zf.fp, info)
-                        stop = start + info.file_size
-                        keys = sorted({k for a, b, k in keyed if a < stop and b > start})
-                        named = ", ".join(f"key {k!r}" for k in keys) or "no tensor"
-                        problems.add(
-                            f"{f}: {named}: {where}record {info.filename} fails its CRC-32 "
-                            f"check ({exc}); the bytes are damaged: copy the file again"
-                        )
+            with open(f, "rb") as raw:
+                try:
+                    zf = zipfile.ZipFile(_Window(raw, offset, length))
+                except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+                    named = ", ".join(sorted({f"key {k!r}" for _, _, k in keyed})) or "no tensor"
+                    problems.add(
+                        f"{f}: {named}: {where}its zip cannot be read to check its CRC-32s "
+                        f"({exc}); the file is damaged: copy it again"
+                    )
+                    continue
+                with zf:
+                    checked += _check_records(f, zf, keyed, where, problems, bar)
+    return checked
+
+
+def _check_records(
+    f: Path,
+    zf: zipfile.ZipFile,
+    keyed: list[tuple[int, int, str]],
+    where: str,
+    problems: Problems,
+    bar: Any,
+) -> int:
+    """Read every record of ``zf`` against its CRC-32; a bad one is a problem naming the keys
+    whose bytes it holds. Returns the bytes checked."""
+    checked = 0
+    for info in zf.infolist():
+        if info.CRC == 0 or info.file_size == 0:
+            continue  # written without CRC-32s: nothing to compare with
+        try:
+            with zf.open(info) as member:
+                while block := member.read(16 << 20):
+                    bar.update(len(block))
+                    checked += len(block)
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            start = _record_start(zf.fp, info)
+            stop = start + info.file_size
+            keys = sorted({k for a, b, k in keyed if a < stop and b > start})
+            named = ", ".join(f"key {k!r}" for k in keys) or "no tensor"
+            what = "fails its CRC-32 check" if isinstance(exc, zipfile.BadZipFile) else "is damaged"
+            problems.add(
+                f"{f}: {named}: {where}record {info.filename} {what} ({exc}); the bytes are "
+                "damaged: copy the file again"
+            )
     return checked
 
 

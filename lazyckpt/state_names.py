@@ -18,6 +18,7 @@ hands it the checkpoint's tensor there.
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import NamedTuple
 
@@ -109,8 +110,26 @@ def _renames(
             out[held.popleft()] = key
         elif key.rsplit(".", 1)[-1] == EXTRA:
             extra_keys.append(key)
-    unmatched = [path for path in extras if path not in extra_keys]
+    # An extra state goes where its module's own tensors went (a wrapper's inner module), else
+    # to the one name left, in order, where the counts agree.
+    ordered = sorted(path for path, *_ in tensors)  # those under one prefix lie together
     renamed = [key for key in extra_keys if key not in extras]
+    unmatched = []
+    for path in extras:
+        if path in extra_keys:
+            continue
+        prefix = path[: len(path) - len(EXTRA)]
+        at = bisect.bisect_left(ordered, prefix)
+        if at < len(ordered) and ordered[at].startswith(prefix):
+            # A tensor of the module or below it: where its prefix went, its extra state goes.
+            some = ordered[at]
+            attr, key = some[len(prefix) :], out[some]
+            moved = key[: len(key) - len(attr)] + EXTRA if key.endswith(attr) else None
+            if moved in renamed:
+                out[path] = moved
+                renamed.remove(moved)
+                continue
+        unmatched.append(path)
     if len(unmatched) == len(renamed):
         out.update(zip(unmatched, renamed))
     return out

@@ -1145,3 +1145,12 @@ def test_verify_read_checks_the_crc_of_every_dcp_chunk(
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert rc == 1 and len(fails) == 1, out
     assert "key 'a'" in fails[0] and "the chunk at byte" in fails[0] and "CRC-32" in fails[0]
+    # A chunk whose zip cannot be opened at all is a problem named by its key, not a crash.
+    offset, length = index.entries["b"].copies[0][0].data.window
+    distcp = index.entries["b"].copies[0][0].data.path
+    with open(distcp, "r+b") as f:
+        f.seek(offset + length - 22)  # its end-of-directory record
+        f.write(b"\0" * 4)
+    rc, out, err = run(capsys, "verify", tmp_path / "dcp", "--read")
+    assert rc == 1 and "unexpected" not in err, err
+    assert any("key 'b'" in line for line in out.splitlines() if line.startswith("FAIL")), out

@@ -362,6 +362,45 @@ def test_state_dicts_that_hooks_change_or_thin_leave_every_tensor_under_its_path
     assert report.missing == ["a._extra_state"]
 
 
+def test_an_extra_state_inside_a_wrapper_goes_where_its_module_went(tmp_path: Path) -> None:
+    # Matched by order alone, a module elsewhere taking an extra state the checkpoint lacks
+    # left the wrapped module's unmatched (missing, and its saved state unexpected).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class SetOnly(nn.Module):
+        def set_extra_state(self, state: object) -> None:
+            self.got = state
+
+    def build() -> nn.Module:
+        model = nn.Module()
+        model.a = checkpoint_wrapper(_WithExtraState())
+        model.s = SetOnly()
+        return model
+
+    source = build()
+    source.a._checkpoint_wrapped_module.scale = torch.arange(4.0)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    model = build()
+    report = lazyckpt.load_into(model, tmp_path / "m.pt", strict=False)
+    assert torch.equal(model.a._checkpoint_wrapped_module.scale, torch.arange(4.0))
+    assert report.missing == ["s._extra_state"] and report.unexpected == []
+
+
+def test_a_complex_checkpoint_into_a_real_model_still_warns_of_the_imaginary_parts(
+    tmp_path: Path,
+) -> None:
+    # torch says it once a process; the dtype check's probe used to swallow it under a filter.
+    torch.save({"weight": torch.ones(2, 2, dtype=torch.complex64), "bias": torch.ones(2)}, tmp_path / "c.pt")
+    code = (
+        "import warnings, torch, lazyckpt\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    lazyckpt.load_into(torch.nn.Linear(2, 2), {str(tmp_path / 'c.pt')!r})\n"
+        "assert any('imaginary part' in str(w.message) for w in seen), [str(w.message) for w in seen]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_a_graph_that_saved_a_parameter_refuses_backward_after_load_into(tmp_path: Path) -> None:
     # Reads write the parameter's memory behind autograd's back: its version is bumped, as
     # copy_ in load_state_dict bumps it, so the old graph cannot run backward on new values.
