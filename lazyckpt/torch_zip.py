@@ -47,6 +47,7 @@ __all__ = [
     "StoredTensor",
     "TorchArchive",
     "Unsupported",
+    "copied_files",
     "flatten_state_dict",
     "layout_by_name",
     "read_torch_archive",
@@ -407,6 +408,10 @@ class TorchArchive:
     """Storage key -> (absolute byte offset in ``path``, record length)."""
     forbidden: list[str] = field(default_factory=list)
     """Globals off the allow-list that the pickle refers to (never imported)."""
+    serial_id: bytes | None = None
+    """The ``.data/serialization_id`` torch writes, derived from the records' CRC-32s and sizes
+    (read for the files of a set only, ``read_torch_archive(serial=True)``): two files with one
+    hold the same bytes (:func:`copied_files`)."""
 
     def forbidden_message(self) -> str:
         names = ", ".join(f"'{n}'" for n in dict.fromkeys(self.forbidden))
@@ -517,6 +522,7 @@ def read_torch_archive(
     size: int | None = None,
     memo: PickleMemo | None = None,
     shapes: ShapeMemo | None = None,
+    serial: bool = False,
 ) -> TorchArchive:
     """Read the zip directory and ``data.pkl`` of a torch file (or of a zip at
     ``window=(start, length)`` inside ``path``); no storage byte is read. With ``memo``, a
@@ -525,7 +531,7 @@ def read_torch_archive(
     of one read before (see :class:`ShapeMemo`) is recognised from a read per record (records
     closer than 8 KiB read together) and a few comparisons instead of being parsed again.
     ``size``: the size of ``fd``, where the caller has it (a reader locating DCP chunks, one per
-    key, stats nothing then)."""
+    key, stats nothing then). ``serial``: read its serialization id too."""
     own = fd is None
     if fd is None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -546,12 +552,16 @@ def read_torch_archive(
             known = _recognise(fd, start, shapes.get((length, restrict), ()))
             if known is not None:
                 storages = {k: (start + at, n) for k, (at, n) in known.storages.items()}
-                return TorchArchive(path, known.obj, storages, known.forbidden)
+                sid = None
+                if serial and known.serial is not None:
+                    at, n = known.serial
+                    sid = os.pread(fd, n, start + at)
+                return TorchArchive(path, known.obj, storages, known.forbidden, sid)
         span = ZipSpan(fd, start, length)
         # The head block read_directory keeps: one read for the magic and the first records.
         _check_magic(path, span.keep(0, min(length, HEAD_BLOCK))[:4], window)
         try:
-            return _read_archive(path, span, restrict, memo, shapes)
+            return _read_archive(path, span, restrict, memo, shapes, serial)
         except ZipError as exc:
             raise CorruptModelCheckpointError(
                 path, f"not a readable torch zip archive: {exc}"
@@ -569,18 +579,33 @@ def read_torch_set(
     and, but for their data and its CRCs, the same bytes: it is unpickled and flattened once
     (``PickleMemo``), and a file that repeats a checked one is recognised by comparing those
     bytes (``ShapeMemo``) instead of being parsed again (MP-8: ~0.1 ms a file against 1.4 for
-    the first, parsed and its shape kept). ``keep``: see :func:`flatten_state_dict`."""
+    the first, parsed and its shape kept). ``keep``: see :func:`flatten_state_dict`. Each
+    archive's ``serial_id`` is read (see :func:`copied_files`)."""
     out = []
     memo: PickleMemo = {}
     shapes: ShapeMemo | None = {} if len(files) > 1 else None
     flats: dict[int, dict[str, StoredTensor]] = {}
     for f in files:
-        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes)
+        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes, serial=True)
         flat = flats.get(id(archive.obj))
         if flat is None:
             flat = flats[id(archive.obj)] = archive.state_dict(keep)
         out.append((archive, flat))
     return out
+
+
+def copied_files(archives: Sequence[TorchArchive]) -> tuple[Path, Path] | None:
+    """Two files of ``archives`` with one serialization id, or None. torch derives the id from
+    the CRC-32s and sizes of the records it writes, so two files with one are the same save's
+    bytes: a copy (``cp consolidated.07.pth consolidated.08.pth``), or ranks that hold only
+    replicas. Files without an id (torch before 2.1) are not compared."""
+    seen: dict[bytes, Path] = {}
+    for a in archives:
+        if a.serial_id:
+            first = seen.setdefault(a.serial_id, a.path)
+            if first != a.path:
+                return first, a.path
+    return None
 
 
 def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:
@@ -604,6 +629,7 @@ def _read_archive(
     restrict: bool,
     memo: PickleMemo | None,
     shapes: ShapeMemo | None = None,
+    serial: bool = False,
 ) -> TorchArchive:
     records, directory = read_directory(span)
     pickles = [r for r in records if r.name.endswith("data.pkl") and r.name.count("/") <= 1]
@@ -614,7 +640,7 @@ def _read_archive(
     prefix = pickles[0].name[: -len("data.pkl")]
     base = span.start
     storages: dict[str, tuple[int, int]] = {}
-    order = pkl = None
+    order = pkl = sid_at = None
     n = len(prefix)
     # Local headers are checked for the records we read; the others (version, serialization
     # id) only bound their neighbours in the overlap check, from their header offset.
@@ -633,6 +659,9 @@ def _read_archive(
         elif rest == "byteorder":
             found = record_data(span, r)
             order = (found[0], r.size)
+        elif serial and rest == ".data/serialization_id" and 0 < r.size <= 64:
+            found = record_data(span, r)
+            sid_at = (found[0], r.size)
         spans.append(found)
     check_layout(span, records, [None if f is None else f[1] for f in spans], directory)
     if order is not None:
@@ -666,8 +695,10 @@ def _read_archive(
         shape = None if full else zip_shape(span, records, spans, directory, payloads, raw_prefix)
         if shape is not None:
             relative = {k: (at - base, size) for k, (at, size) in storages.items()}
-            same.append(_Known(shape, relative, obj, forbidden))
-    return TorchArchive(path, obj, storages, forbidden)
+            same.append(_Known(shape, relative, obj, forbidden, sid_at))
+    return TorchArchive(
+        path, obj, storages, forbidden, None if sid_at is None else span.read(*sid_at)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -679,6 +710,8 @@ class _Known:
     """Storage key -> (byte offset from the archive's start, record length)."""
     obj: Any
     forbidden: list[str]
+    serial: tuple[int, int] | None = None
+    """Where its serialization id lies (offset from the archive's start, length), if read."""
 
 
 _SHAPES_PER_LENGTH = 8

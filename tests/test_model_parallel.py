@@ -326,3 +326,33 @@ def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_la
     shutil.rmtree(tmp_path / "pp_00" / "tp_01")
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="lacks rank 1"):
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {"emb.weight": 0})
+
+
+def test_a_copied_rank_file_is_refused_not_read_as_one_more_rank(tmp_path: Path) -> None:
+    # cp consolidated.01.pth consolidated.02.pth made an MP-3 set whose split keys held rank
+    # 1's rows twice, loaded, verified and resharded without a word.
+    import shutil
+
+    full = {"w": torch.arange(24.0).reshape(4, 6), "n": torch.ones(6)}
+    for r, part in enumerate(torch.chunk(full["w"], 2, 0)):
+        torch.save({"w": part.clone(), "n": full["n"]}, tmp_path / f"consolidated.0{r}.pth")
+    assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full["w"])
+    shutil.copy(tmp_path / "consolidated.01.pth", tmp_path / "consolidated.02.pth")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"consolidated.02.pth: is a copy of consolidated.01.pth"):
+        load_all(tmp_path, {"w": 0})
+
+
+def test_shards_that_grow_from_one_rank_to_a_later_one_are_refused(tmp_path: Path) -> None:
+    # No split gives a later rank more rows: a middle rank of (3, 6) among (2, 6) was joined
+    # into a (7, 6) tensor without a word.
+    full = torch.arange(48.0).reshape(8, 6)
+    parts = [full[:2], full[2:4], torch.cat([full[4:6], full[:1]]), full[6:]]
+    for r, part in enumerate(parts):
+        torch.save({"w": part.clone()}, tmp_path / f"consolidated.0{r}.pth")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"sizes along dim 0 are \[2, 2, 3, 2\]"):
+        load_all(tmp_path, {"w": 0})
+    uneven = [full[:3], full[3:6], full[6:]]  # torch.chunk(8, 3): 3, 3, 2 loads
+    for r, part in enumerate(uneven):
+        torch.save({"w": part.clone()}, tmp_path / f"consolidated.0{r}.pth")
+    (tmp_path / "consolidated.03.pth").unlink()
+    assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full)

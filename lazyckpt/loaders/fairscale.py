@@ -9,6 +9,7 @@ directories and pickles of the files are read to build the index.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, read_torch_set
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, copied_files, read_torch_set
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -103,6 +104,14 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
+        copied = copied_files([archive for _, archive, _ in ranks])
+        if copied is not None and any(len(e.copies[0]) > 1 for e in entries.values()):
+            # The same bytes twice are replicas of every key, which a split key cannot be.
+            raise CorruptModelCheckpointError(
+                copied[1],
+                f"is a copy of {copied[0].name} (the same torch.save's bytes), so every split "
+                "key would hold that rank's shard twice; remove the copy",
+            )
         return CheckpointIndex(
             path=path,
             format=self.name,
@@ -166,12 +175,32 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 grid.append([Cell(stored.sizes, stored.dtype, region, name)])
             try:
                 dim = rules.shard_dim(key, [row[0].shape for row in grid])
+                _check_split_order(path, key, dim, [row[0].shape for row in grid])
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:
                 raise ValueError(f"key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+
+
+def _check_split_order(
+    path: Path, key: str, dim: int | None, shapes: list[tuple[int, ...]]
+) -> None:
+    """Refuse shards whose sizes along the split dim grow from one rank to a later one: a
+    split (``torch.chunk``, ``tensor_split``, Meta's even ones) gives the larger shards to the
+    first ranks, so such a set mixes files of different checkpoints or a damaged one."""
+    if dim is None or any(len(s) <= dim for s in shapes):
+        return  # a replica; a dim out of range is refused where the shards are joined
+    sizes = [s[dim] for s in shapes]
+    if any(a < b for a, b in itertools.pairwise(sizes)):
+        raise CorruptModelCheckpointError(
+            path,
+            f"key {key!r}: its shards' sizes along dim {dim} are {sizes}, growing from one rank "
+            "to a later one, which no split gives: a rank file of another checkpoint, or a "
+            "damaged one",
+            key=key,
+        )
 
 
 def _left_out(archives: list[TorchArchive]) -> list[str]:
