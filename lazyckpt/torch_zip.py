@@ -572,21 +572,25 @@ def read_torch_archive(
 
 
 def read_torch_set(
-    files: Sequence[Path], *, restrict: bool = True, keep: Callable[[str], bool] | None = None
+    files: Sequence[Path],
+    *,
+    restrict: bool = True,
+    keep: Callable[[str], bool] | None = None,
+    serial: bool = False,
 ) -> list[tuple[TorchArchive, dict[str, StoredTensor]]]:
     """Every file's archive and flat state dict, for files saved alike (the rank files of a
     model-parallel set, the shards of a fairseq2 stage). They usually hold one ``data.pkl``
     and, but for their data and its CRCs, the same bytes: it is unpickled and flattened once
     (``PickleMemo``), and a file that repeats a checked one is recognised by comparing those
     bytes (``ShapeMemo``) instead of being parsed again (MP-8: ~0.1 ms a file against 1.4 for
-    the first, parsed and its shape kept). ``keep``: see :func:`flatten_state_dict`. Each
-    archive's ``serial_id`` is read (see :func:`copied_files`)."""
+    the first, parsed and its shape kept). ``keep``: see :func:`flatten_state_dict`.
+    ``serial``: read each archive's ``serial_id`` too (see :func:`copied_files`)."""
     out = []
     memo: PickleMemo = {}
     shapes: ShapeMemo | None = {} if len(files) > 1 else None
     flats: dict[int, dict[str, StoredTensor]] = {}
     for f in files:
-        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes, serial=True)
+        archive = read_torch_archive(f, restrict=restrict, memo=memo, shapes=shapes, serial=serial)
         flat = flats.get(id(archive.obj))
         if flat is None:
             flat = flats[id(archive.obj)] = archive.state_dict(keep)

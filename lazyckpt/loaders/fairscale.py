@@ -86,7 +86,8 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
         ranks = [
             (f, archive, flat)
             for f, (archive, flat) in zip(
-                files, read_torch_set(files, restrict=options.restrict, keep=rules.wants)
+                files,
+                read_torch_set(files, restrict=options.restrict, keep=rules.wants, serial=True),
             )
         ]
         first_file, _, first = ranks[0]
@@ -174,8 +175,9 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 region = archive.region(stored, key)
                 grid.append([Cell(stored.sizes, stored.dtype, region, name)])
             try:
-                dim = rules.shard_dim(key, [row[0].shape for row in grid])
-                _check_split_order(path, key, dim, [row[0].shape for row in grid])
+                shapes = [row[0].shape for row in grid]
+                dim = rules.shard_dim(key, shapes)
+                _check_split_order(path, key, dim, shapes)
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
