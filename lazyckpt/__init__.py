@@ -5,6 +5,7 @@ See DESIGN.md for the contract. The pipeline is index (per format, metadata only
 """
 
 from lazyckpt.errors import (
+    CheckpointWarning,
     CorruptModelCheckpointError,
     ModelCheckpointError,
     ShardDimsWarning,
@@ -21,6 +22,7 @@ from lazyckpt.shard_dims import get_shard_dims
 from lazyckpt.stats import LoadStats
 
 __all__ = [
+    "CheckpointWarning",
     "CorruptModelCheckpointError",
     "KeyMismatchError",
     "Layout",

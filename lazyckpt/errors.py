@@ -71,6 +71,12 @@ class ShardDimsWarning(UserWarning):
     a model-parallel set): rarely meant, as when a preset's Meta names meet Hugging Face's."""
 
 
+class CheckpointWarning(UserWarning):
+    """The checkpoint loads as written, but something in it looks like a mistake that its
+    bytes cannot tell from a legitimate save (a rank file that is a byte-for-byte copy of
+    another): the message says what to check."""
+
+
 _INSIDE = ("lazyckpt", "contextlib")
 """Modules whose frames a warning skips: lazyckpt's own, and those of the context managers it
 decorates functions with."""

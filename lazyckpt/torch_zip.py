@@ -324,8 +324,8 @@ def _layouts() -> dict[str, torch.layout]:
 
 def restricted_find_class(module: str, name: str) -> Any:
     """The allow-list: containers, tensors, storages, dtypes. Anything else returns None."""
-    if module == "collections" and name == "OrderedDict":
-        return collections.OrderedDict
+    if module == "collections" and name in ("OrderedDict", "Counter"):
+        return getattr(collections, name)  # both on torch.load(weights_only=True)'s list too
     if module == "builtins":
         return _BUILTINS.get(name)
     if module == "_codecs" and name == "encode":
@@ -598,18 +598,20 @@ def read_torch_set(
     return out
 
 
-def copied_files(archives: Sequence[TorchArchive]) -> tuple[Path, Path] | None:
-    """Two files of ``archives`` with one serialization id, or None. torch derives the id from
-    the CRC-32s and sizes of the records it writes, so two files with one are the same save's
-    bytes: a copy (``cp consolidated.07.pth consolidated.08.pth``), or ranks that hold only
-    replicas. Files without an id (torch before 2.1) are not compared."""
+def copied_files(archives: Sequence[TorchArchive]) -> list[tuple[Path, Path]]:
+    """``(first, copy)`` for each file of ``archives`` whose serialization id an earlier one has.
+    torch derives the id from the CRC-32s and sizes of the records it writes, so two files with
+    one hold the same values: a copy (``cp consolidated.07.pth consolidated.08.pth``), or ranks
+    whose shards are equal (replicas only, empty or constant shards). Files without an id
+    (torch before 2.1) are not compared."""
     seen: dict[bytes, Path] = {}
+    pairs = []
     for a in archives:
         if a.serial_id:
             first = seen.setdefault(a.serial_id, a.path)
             if first != a.path:
-                return first, a.path
-    return None
+                pairs.append((first, a.path))
+    return pairs
 
 
 def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:

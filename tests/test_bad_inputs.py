@@ -876,6 +876,16 @@ def test_training_checkpoint_with_objects_beside_the_weights(tmp_path: Path, ext
     assert_same(load(path, restrict=False), {"w": torch.arange(3.0)})
 
 
+def test_a_counter_beside_the_weights_loads_restricted_as_torch_load_does(tmp_path: Path) -> None:
+    # collections.Counter is on torch.load(weights_only=True)'s allow-list (token counts kept
+    # beside the weights): refusing the file would make restrict=True stricter than torch.
+    path = tmp_path / "train.pt"
+    weights = {"w": torch.arange(3.0)}
+    torch.save({"model": weights, "token_counts": collections.Counter(a=2)}, path)
+    assert torch.load(path, weights_only=True)["token_counts"] == collections.Counter(a=2)
+    assert_same(load(path), weights)
+
+
 @pytest.mark.parametrize(
     "value,kind",
     [

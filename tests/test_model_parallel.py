@@ -4,6 +4,7 @@ real gloo process groups, and fairseq2 ``pp_XX/tp_XX/sdp_XX.pt`` shards."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -328,18 +329,45 @@ def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_la
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {"emb.weight": 0})
 
 
-def test_a_copied_rank_file_is_refused_not_read_as_one_more_rank(tmp_path: Path) -> None:
+def test_a_copied_rank_file_is_warned_of_not_read_as_one_more_rank_silently(tmp_path: Path) -> None:
     # cp consolidated.01.pth consolidated.02.pth made an MP-3 set whose split keys held rank
-    # 1's rows twice, loaded, verified and resharded without a word.
+    # 1's rows twice, loaded, verified and resharded without a word. Its bytes cannot be told
+    # from a save whose shards are equal by design (next test), so it loads, with a warning.
     import shutil
 
     full = {"w": torch.arange(24.0).reshape(4, 6), "n": torch.ones(6)}
     for r, part in enumerate(torch.chunk(full["w"], 2, 0)):
         torch.save({"w": part.clone(), "n": full["n"]}, tmp_path / f"consolidated.0{r}.pth")
-    assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full["w"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full["w"])
     shutil.copy(tmp_path / "consolidated.01.pth", tmp_path / "consolidated.02.pth")
-    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"consolidated.02.pth: is a copy of consolidated.01.pth"):
-        load_all(tmp_path, {"w": 0})
+    with pytest.warns(
+        lazyckpt.CheckpointWarning,
+        match=r"consolidated.02.pth: holds the same bytes as consolidated.01.pth.*remove it",
+    ):
+        got = load_all(tmp_path, {"w": 0})
+    assert torch.equal(got["w"], torch.cat([full["w"], full["w"][2:]]))
+
+
+def test_rank_files_equal_by_design_load(tmp_path: Path) -> None:
+    # Two torch.saves of equal values have one serialization id. A fresh LoRA adapter's
+    # zero-initialised split key was refused as "a copy" (it loads, with the warning); ranks
+    # past the last rows of every split key, whose files are equal, load without one.
+    lora_a, lora_b = torch.randn(4, 16), torch.zeros(32, 4)
+    for r, part in enumerate(torch.chunk(lora_b, 2, 0)):
+        torch.save({"lora_A": lora_a, "lora_B": part.clone()}, tmp_path / f"consolidated.0{r}.pth")
+    with pytest.warns(lazyckpt.CheckpointWarning, match="equal by design"):
+        got = load_all(tmp_path, {"lora_B": 0})
+    assert torch.equal(got["lora_A"], lora_a) and torch.equal(got["lora_B"], lora_b)
+
+    full = torch.arange(12.0).reshape(2, 6)
+    parts = torch.tensor_split(full, 4, 0)  # rows 1, 1, 0, 0: ranks 2 and 3 hold the same bytes
+    for r, part in enumerate(parts):
+        torch.save({"w": part.clone(), "n": torch.ones(3)}, tmp_path / f"consolidated.0{r}.pth")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full)
 
 
 def test_shards_that_grow_from_one_rank_to_a_later_one_are_refused(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import final
 
 from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
-from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.errors import CheckpointWarning, CorruptModelCheckpointError, warn
 from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry, add_entry
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -29,6 +29,18 @@ from lazyckpt.torch_zip import StoredTensor, TorchArchive, copied_files, read_to
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
 FILE_RE = re.compile(r"consolidated\.(\d+)\.pth")
+
+
+def _holds_split_rows(path: Path, entries: Mapping[str, TensorEntry]) -> bool:
+    """Whether ``path`` holds a non-empty shard of a split key. Two rank files with one
+    serialization id hold the same values, which split keys may do by design (zeros); an empty
+    shard (a rank past the last rows) adds nothing either way."""
+    return any(
+        c.path == path and c.numel
+        for e in entries.values()
+        if len(e.copies[0]) > 1
+        for c in e.copies[0]
+    )
 
 
 def rank_files(folder: Path) -> list[Path]:
@@ -105,14 +117,17 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
-        copied = copied_files([archive for _, archive, _ in ranks])
-        if copied is not None and any(len(e.copies[0]) > 1 for e in entries.values()):
-            # The same bytes twice are replicas of every key, which a split key cannot be.
-            raise CorruptModelCheckpointError(
-                copied[1],
-                f"is a copy of {copied[0].name} (the same torch.save's bytes), so every split "
-                "key would hold that rank's shard twice; remove the copy",
+        for original, copy in copied_files([archive for _, archive, _ in ranks]):
+            if not _holds_split_rows(copy, entries):
+                continue
+            warn(
+                f"{copy}: holds the same bytes as {original.name} (one torch.save's "
+                "records), split keys included, so those keys repeat that rank's shard. If it "
+                "is a copy (cp consolidated.07.pth consolidated.08.pth), remove it; shards "
+                "that are equal by design (zero-initialised adapters) load as they are",
+                CheckpointWarning,
             )
+            break  # one warning says it
         return CheckpointIndex(
             path=path,
             format=self.name,
