@@ -12,6 +12,7 @@ Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import io
 import json
@@ -31,7 +32,12 @@ import torch
 
 from lazyckpt.build import output_dtype
 from lazyckpt.claims import Claims
-from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError, ShardDimsWarning
+from lazyckpt.errors import (
+    CheckpointWarning,
+    CorruptModelCheckpointError,
+    ModelCheckpointError,
+    ShardDimsWarning,
+)
 from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
@@ -432,6 +438,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = replace(base, layout=layout, dtype=dtype)
     index, plans = loader.plan(path, choice.dims, options)
     _warn_no_dims(choice, index, layout.tp_size)
+    for note in index.notes:
+        _note(note)
     s = summarize_plans(plans, dtype=dtype, prefetch_bytes=options.prefetch_bytes)
     # Replica copies are read to be compared, so they count as read (as LoadStats counts them).
     per_file = dict(s.read)
@@ -454,6 +462,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "shard_dims": {"source": choice.source, "dims": choice.concrete(list(index.entries))},
             "files": [{"path": str(f), "bytes": n} for f, n in per_file.items()],
             "files_not_read": [str(f) for f in unread],
+            "notes": index.notes,
             "bytes_read": total_read,
             "bytes_verified": sum(s.verified.values()),
             "bytes_delivered": s.delivered,
@@ -1102,22 +1111,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TERMINATING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+"""Signals that end a command the way Ctrl-C does (Windows has no SIGHUP)."""
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM cleans up like Ctrl-C (temporary folders removed) instead of killing outright."""
+    """SIGTERM and SIGHUP (the terminal closed, ssh dropped) clean up like Ctrl-C (temporary
+    folders removed) instead of killing outright."""
+    old: dict[int, Any] = {}
     try:
-        old = signal.signal(signal.SIGTERM, _raise_interrupt)
+        for s in TERMINATING:
+            if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                old[s] = signal.signal(s, _raise_interrupt)
     except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
+        pass
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _escape(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """Print what cannot be encoded: a file name's undecodable bytes (``surrogateescape``'s
+    surrogates) as those bytes, any other lone surrogate (a key ``torch.save`` stored) as
+    ``\\udXXX``, instead of stopping the output halfway with a UnicodeEncodeError."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    out = bytearray()
+    for c in exc.object[exc.start : exc.end]:
+        n = ord(c)
+        out += (
+            bytes([n - 0xDC00]) if 0xDC80 <= n <= 0xDCFF else c.encode("ascii", "backslashreplace")
+        )
+    return bytes(out), exc.end
+
+
+_ESCAPE = "lazyckpt.escape"
+codecs.register_error(_ESCAPE, _escape)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1127,7 +1163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             with contextlib.suppress(ValueError, OSError):
-                reconfigure(errors="surrogateescape")
+                reconfigure(errors=_ESCAPE)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -1143,7 +1179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         with _sigterm_as_interrupt(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", ShardDimsWarning)  # the commands' notes say it
+            for said in (ShardDimsWarning, CheckpointWarning):  # the commands' notes say them
+                warnings.simplefilter("ignore", said)
             return int(args.func(args))
     except KeyboardInterrupt as exc:
         if debug:

@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -65,11 +66,11 @@ DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 """Hugging Face's default ``max_shard_size`` ("5GB")."""
 
 SIDECARS = ("params.json", "config.json", "generation_config.json")
+"""Small files that describe the model; carried over from a source folder as they are."""
 RESHARD_OPTIONS = ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
 """:func:`reshard`'s reading options by default: pread (pages of a mapping would stay resident
 as the files are walked) and no read-ahead, so that exactly one tensor is alive while it is
 written."""
-"""Small files that describe the model; carried over from a source folder as they are."""
 
 _UNITS = {
     "": 1,
@@ -194,6 +195,13 @@ def _check_storable(spec: TensorSpec) -> None:
         raise ValueError(
             f"key {spec.key!r} has dtype {spec.dtype}{dims}, which safetensors cannot store; {fix}"
         )
+    try:
+        spec.key.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, which torch.save's pickle allows
+        raise ValueError(
+            f"key {spec.key!r} is not valid Unicode (character {exc.start}), and a safetensors "
+            "header is UTF-8; rename it with a key_map or use --format consolidated"
+        ) from None
     if spec.key == "__metadata__":  # the header's own entry: a tensor there makes it unreadable
         raise ValueError(
             "key '__metadata__' is the name safetensors gives its header's metadata, so no "
@@ -481,6 +489,7 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     ``dst`` was written, with nothing left beside it.
     """
     dst = Path(os.path.abspath(dst))
+    _check_replaceable(dst)
     empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
     if (dst.exists() or dst.is_symlink()) and not force and not empty_dir:
         what = "a folder that is not empty" if dst.is_dir() else "a file"
@@ -512,12 +521,48 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
             tmp = None
     finally:
         if tmp is not None:
+            _remove_all(tmp, created)
+
+
+def _check_replaceable(dst: Path) -> None:
+    """Refuse, before anything is written, a ``dst`` that a renamed folder cannot take the
+    place of: a mount point (a fresh volume's root: the output was written on the parent's
+    disk, then the rename failed with EBUSY), or a device, pipe or socket (``--force`` replaced
+    ``/dev/full`` with a folder)."""
+    if dst.is_mount():
+        raise DestinationError(
+            f"{dst} is a mount point, which a new folder cannot replace; write into a folder "
+            f"inside it, such as {dst / 'checkpoint'}"
+        )
+    try:
+        mode = dst.lstat().st_mode
+    except OSError:  # missing: made
+        return
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise DestinationError(
+            f"{dst} is a device, pipe or socket, not a folder to write a checkpoint in; "
+            "choose a folder (--force replaces only files, folders and links)"
+        )
+
+
+def _remove_all(tmp: Path, created: Sequence[Path]) -> None:
+    """Delete the temporary folder, then the parent folders made for it, to the end: a second
+    Ctrl-C while deleting (the first one's cleanup) restarts it, and is raised once all is
+    gone, instead of leaving a partial output behind."""
+    interrupt: KeyboardInterrupt | None = None
+    while True:
+        try:
             shutil.rmtree(tmp, ignore_errors=True)
             for p in created:
                 try:
                     p.rmdir()
                 except OSError:
                     break
+            break
+        except KeyboardInterrupt as exc:
+            interrupt = exc
+    if interrupt is not None:
+        raise interrupt
 
 
 def _hidden(dst: Path) -> str:
@@ -533,9 +578,12 @@ def _umask() -> int:
     return mask
 
 
+_DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
 @contextmanager
 def _interrupts_deferred(done: str) -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block is done, then act as they would have: a
+    """SIGINT, SIGTERM and SIGHUP wait until the block is done, then act as they would have: a
     ``KeyboardInterrupt`` from Python's handler or the CLI's (saying ``done`` when the block
     succeeded), the default action otherwise, also when the block raised. (A signal mask would
     not do: another thread of the process may take the signal, and CPython still raises in the
@@ -549,7 +597,7 @@ def _interrupts_deferred(done: str) -> Iterator[None]:
     succeeded = False
     try:
         with contextlib.suppress(ValueError):  # not the main thread
-            for s in (signal.SIGINT, signal.SIGTERM):
+            for s in _DEFERRED:
                 before[s] = signal.signal(s, record)
         yield
         succeeded = True
@@ -593,7 +641,14 @@ def _publish(tmp: Path, dst: Path, force: bool) -> None:
     old: Path | None = None
     if dst.exists() or dst.is_symlink():
         old = Path(tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-old", dir=dst.parent))
-        os.rename(dst, old / "old")
+        try:
+            os.rename(dst, old / "old")
+        except OSError as exc:  # a folder without write permission cannot move
+            old.rmdir()
+            raise DestinationError(
+                f"{dst} cannot be moved aside to be replaced ({exc.strerror}), so it is left as "
+                "it is; remove it yourself or choose a new destination"
+            ) from None
     try:
         os.rename(tmp, dst)
     except OSError:
@@ -786,12 +841,14 @@ def reshard(
         if fmt == "safetensors" and tp == 1 and dp == 1:
             weight_map = {s.key: o.name for o in outputs for s in o.specs}
             doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_small(
-                tmp / "model.safetensors.index.json",
-                json.dumps(doc, indent=2, sort_keys=True) + "\n",
-            )
+            with _writing(dst_path / "model.safetensors.index.json"):
+                _write_small(
+                    tmp / "model.safetensors.index.json",
+                    json.dumps(doc, indent=2, sort_keys=True) + "\n",
+                )
         for name in sidecars:
-            _write_small(tmp / name, _sidecar(src_root / name, dtype))
+            with _writing(dst_path / name):
+                _write_small(tmp / name, _sidecar(src_root / name, dtype))
     return ReshardResult(
         dst=dst_path,
         format=fmt,

@@ -771,7 +771,11 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_ctrl_c_midway_leaves_nothing(mp4, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_midway_leaves_nothing(mp4, tmp_path: Path, sig: str) -> None:
+    # SIGHUP (the terminal closed, ssh dropped) killed the process, its partial output kept.
+    if not hasattr(signal, sig):
+        pytest.skip(f"no {sig} here")
     folder, _, _ = mp4
     out_parent = tmp_path / "out"
     out_parent.mkdir()
@@ -789,11 +793,149 @@ def test_ctrl_c_midway_leaves_nothing(mp4, tmp_path: Path) -> None:
     assert child.poll() is None, child.communicate()
     partial = Path(ready.read_text())
     assert partial.parent.parent == out_parent and partial.exists()  # it was writing
-    child.send_signal(signal.SIGINT)
+    child.send_signal(getattr(signal, sig))
     _out, err = child.communicate()
     assert child.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert _listing(out_parent) == []
+
+
+def test_a_second_ctrl_c_while_the_first_cleans_up_still_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second Ctrl-C ~20 ms after the first cut the removal of the partial output short,
+    # leaving hundreds of MB in a hidden folder beside the destination.
+    from lazyckpt.writers import atomic_folder
+
+    real_unlink = os.unlink
+    calls = [0]
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # where Python's handler raises the second interrupt
+            raise KeyboardInterrupt
+        real_unlink(path, *args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt), atomic_folder(tmp_path / "a" / "out") as tmp:
+        for i in range(10):
+            (tmp / f"part{i}").write_bytes(b"x" * 100)
+        monkeypatch.setattr(os, "unlink", unlink)
+        raise KeyboardInterrupt  # the first
+    assert calls[0] > 3 and _listing(tmp_path) == []
+
+
+def test_a_mount_point_or_a_device_is_refused_before_anything_is_written(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # An empty volume's root got the output written on the parent's disk, then a failed
+    # rename (EBUSY) naming the hidden folder; --force replaced /dev/full with a folder.
+    torch.save({"w": torch.zeros(4, 4)}, tmp_path / "m.pt")
+    mount = Path("/proc")
+    if mount.is_mount():
+        for force in ((), ("--force",)):
+            rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", mount, "--tp", "1", *force)
+            assert rc == 2 and "is a mount point" in err and "lazyckpt-tmp" not in err, err
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", fifo, "--tp", "1", "--force")
+    assert rc == 2 and "is a device, pipe or socket" in err, err
+    assert fifo.is_fifo() and _listing(tmp_path) == ["m.pt", "pipe"]
+
+
+def test_force_over_a_destination_that_cannot_move_leaves_nothing_beside_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Moving a folder needs write permission on it: the failure left a hidden
+    # ".lazyckpt-old" folder and named it. (Made here by refusing the move, as a non-root
+    # user meets it on a read-only folder.)
+    torch.save({"w": torch.zeros(4, 4)}, tmp_path / "m.pt")
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.bin").write_bytes(b"old")
+    real_rename = os.rename
+
+    def rename(src: Any, to: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(src) == dst:
+            raise PermissionError(13, "Permission denied", str(src))
+        real_rename(src, to, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", dst, "--tp", "1", "--force")
+    assert rc == 2 and f"{dst} cannot be moved aside" in err and "lazyckpt-old" not in err, err
+    assert _listing(tmp_path) == ["m.pt", "out"] and _listing(dst) == ["old.bin"]
+
+
+def test_a_full_disk_at_a_sidecar_names_it(tmp_path: Path) -> None:
+    # The index and the sidecars (config.json, params.json) were written unnamed: a full disk
+    # there said only "No space left on device".
+    import resource
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.zeros(4, 4)}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"pad": "x" * 200_000}))
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    child = subprocess.run(
+        [sys.executable, "-m", "lazyckpt", "reshard", str(src), str(out_parent / "o"), "--tp", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY)),
+    )
+    assert child.returncode == 1, child.stderr
+    assert f"lazyckpt: error: cannot write {out_parent / 'o' / 'config.json'}" in child.stderr
+    assert _listing(out_parent) == []
+
+
+def test_a_copied_rank_file_is_a_note_of_every_command_not_a_raw_warning(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The CheckpointWarning came out in Python's raw format (the lazyckpt script's line), and
+    # verify --json said nothing of the copy.
+    import shutil
+
+    folder = tmp_path / "mp"
+    folder.mkdir()
+    full = torch.arange(24.0).reshape(4, 6)
+    for r, part in enumerate(torch.chunk(full, 2, 0)):
+        torch.save({"w": part.clone()}, folder / f"consolidated.0{r}.pth")
+    shutil.copy(folder / "consolidated.01.pth", folder / "consolidated.02.pth")
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps({"w": 0}))
+    said = "consolidated.02.pth holds the same bytes as consolidated.01.pth"
+    for argv in (
+        ("inspect", folder, "--shard-dims", dims),
+        ("plan", folder, "--tp", "1", "--shard-dims", dims),
+        ("verify", folder, "--shard-dims", dims),
+        ("reshard", folder, tmp_path / "out", "--tp", "1", "--shard-dims", dims),
+    ):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 0 and said in out + err and "CheckpointWarning" not in err, (argv, out, err)
+    for cmd in (("verify",), ("plan", "--tp", "1"), ("inspect",)):
+        rc, out, _ = run(capsys, *cmd, folder, "--shard-dims", dims, "--json")
+        assert rc == 0 and any(said in note for note in json.loads(out)["notes"]), (cmd, out)
+
+
+def test_a_key_that_is_not_unicode_is_printed_and_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # torch.save stores a lone surrogate in a key: inspect stopped halfway through its table
+    # with a UnicodeEncodeError (exit 2, no key named), and so did reshard to safetensors.
+    key = "a\ud800"
+    torch.save({"b": torch.zeros(2), key: torch.ones(2)}, tmp_path / "m.pt")
+    child = subprocess.run(
+        [sys.executable, "-m", "lazyckpt", "inspect", str(tmp_path / "m.pt")],
+        capture_output=True,
+        cwd=REPO,
+    )
+    assert child.returncode == 0 and b"a\\ud800" in child.stdout, child.stderr
+    rc, _, err = run(
+        capsys, "reshard", tmp_path / "m.pt", tmp_path / "out", "--tp", "1", "--format", "safetensors"
+    )
+    assert rc == 2 and "'a\\ud800' is not valid Unicode" in err, err
+    rc, _, err = run(capsys, "reshard", tmp_path / "m.pt", tmp_path / "out", "--tp", "1")
+    assert rc == 0, err
 
 
 _INTERRUPTED_WHILE_PUBLISHING = """

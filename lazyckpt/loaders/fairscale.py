@@ -31,16 +31,26 @@ __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 FILE_RE = re.compile(r"consolidated\.(\d+)\.pth")
 
 
-def _holds_split_rows(path: Path, entries: Mapping[str, TensorEntry]) -> bool:
-    """Whether ``path`` holds a non-empty shard of a split key. Two rank files with one
-    serialization id hold the same values, which split keys may do by design (zeros); an empty
-    shard (a rank past the last rows) adds nothing either way."""
-    return any(
-        c.path == path and c.numel
-        for e in entries.values()
-        if len(e.copies[0]) > 1
-        for c in e.copies[0]
-    )
+def _copy_note(archives: list[TorchArchive], entries: Mapping[str, TensorEntry]) -> str | None:
+    """What to say of rank files with one serialization id (:func:`copied_files`: the same
+    values), where the later one holds a non-empty shard of a split key: a copy repeats that
+    rank's rows, but shards may be equal by design (zeros), so the set loads as written. Equal
+    files whose split shards are all empty (ranks past the last rows) say nothing."""
+    for original, copy in copied_files(archives):
+        split_rows = any(
+            c.path == copy and c.numel
+            for e in entries.values()
+            if len(e.copies[0]) > 1
+            for c in e.copies[0]
+        )
+        if split_rows:
+            return (
+                f"{copy.name} holds the same bytes as {original.name} (one torch.save's "
+                "records), split keys included, so those keys repeat that rank's shard. If it "
+                "is a copy (cp consolidated.07.pth consolidated.08.pth), remove it; shards "
+                "that are equal by design (zero-initialised adapters) load as they are"
+            )
+    return None
 
 
 def rank_files(folder: Path) -> list[Path]:
@@ -117,24 +127,18 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
-        for original, copy in copied_files([archive for _, archive, _ in ranks]):
-            if not _holds_split_rows(copy, entries):
-                continue
-            warn(
-                f"{copy}: holds the same bytes as {original.name} (one torch.save's "
-                "records), split keys included, so those keys repeat that rank's shard. If it "
-                "is a copy (cp consolidated.07.pth consolidated.08.pth), remove it; shards "
-                "that are equal by design (zero-initialised adapters) load as they are",
-                CheckpointWarning,
-            )
-            break  # one warning says it
+        notes = _left_out([archive for _, archive, _ in ranks])
+        copied = _copy_note([archive for _, archive, _ in ranks], entries)
+        if copied is not None:
+            notes.append(copied)
+            warn(f"{path}: {copied}", CheckpointWarning)
         return CheckpointIndex(
             path=path,
             format=self.name,
             entries=entries,
             files=files,
             source_layout=f"MP-{len(files)}",
-            notes=_left_out([archive for _, archive, _ in ranks]),
+            notes=notes,
             metadata=_Params(path),
         )
 
