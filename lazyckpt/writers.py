@@ -492,7 +492,13 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     _check_replaceable(dst)
     empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
     if (dst.exists() or dst.is_symlink()) and not force and not empty_dir:
-        what = "a folder that is not empty" if dst.is_dir() else "a file"
+        what = (
+            "a link"  # even to an empty folder: the rename would replace the link, not fill it
+            if dst.is_symlink()
+            else "a folder that is not empty"
+            if dst.is_dir()
+            else "a file"
+        )
         raise DestinationError(
             f"{dst} is {what}; choose a new destination or pass --force to replace it"
         )
@@ -799,6 +805,9 @@ def reshard(
     stats = base.stats if base.stats is not None else LoadStats()
     base = replace(base, dtype=dtype, stats=stats, progress=False, layout=None)
     index = loader.index(src_path, shard_dims, base)
+    if not index.entries:  # an output of no files (or an index listing none) reads as broken
+        kept = " that the key_map keeps" if base.key_map is not None else ""
+        raise ValueError(f"{src_abs} holds no tensors{kept}, so there is nothing to write")
     for f in index.files:  # an index file names data files elsewhere, maybe inside dst
         if _is_within(f.resolve(), dst_real):
             raise DestinationError(

@@ -548,6 +548,18 @@ def test_reshard_to_safetensors_per_rank_with_dtype(
                 assert same_bits(got[key], want), (key, layout)
 
 
+@pytest.mark.parametrize("fmt", ["consolidated", "safetensors"])
+def test_reshard_of_a_checkpoint_without_tensors_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fmt: str
+) -> None:
+    # torch.save({}) resharded to safetensors wrote an index listing no file, which inspect
+    # then refused as a broken download.
+    torch.save({}, tmp_path / "empty.pt")
+    rc, _, err = run(capsys, "reshard", tmp_path / "empty.pt", tmp_path / "out", "--tp", "1", "--format", fmt)
+    assert rc == 2 and "holds no tensors, so there is nothing to write" in err, err
+    assert _listing(tmp_path) == ["empty.pt"]
+
+
 def test_reshard_refuses_a_non_empty_destination_without_force(
     capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
 ) -> None:
@@ -567,6 +579,14 @@ def test_reshard_refuses_a_non_empty_destination_without_force(
     rc, _, err = run(capsys, "reshard", folder, empty, "--tp", "1")
     assert rc == 0, err
     assert _listing(empty) == ["consolidated.00.pth", "params.json"]
+    # Links are told as links (one to an empty folder was "a folder that is not empty", a
+    # dangling one "a file"): the rename would replace the link, not fill its folder.
+    (tmp_path / "void").mkdir()
+    (tmp_path / "to-void").symlink_to(tmp_path / "void")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for link in ("to-void", "dangling"):
+        rc, _, err = run(capsys, "reshard", folder, tmp_path / link, "--tp", "1")
+        assert rc == 2 and f"{tmp_path / link} is a link; choose" in err, err
 
 
 def test_reshard_sidecars_and_file_modes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
