@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from lazyckpt import alloc, cow, forks, readahead, stitch, unmap
+from lazyckpt import alloc, cow, fdlimit, forks, readahead, stitch, unmap
 from lazyckpt.claims import Claims, footprint
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import (
@@ -84,6 +84,9 @@ _RAW_BYTES = 1 << 20
 """Largest piece :meth:`Reader.raws` hands out as bytes (a copy; replica norms are a few KiB)."""
 
 
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
+
 class _OpenFile:
     """A file opened for one load: its descriptor, size and (lazily) its mapping."""
 
@@ -92,7 +95,7 @@ class _OpenFile:
         self.name = str(path)
         """The path as :class:`LoadStats` counts it."""
         self._defer = defer
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.fd = fdlimit.opening(path, lambda: os.open(path, _OPEN_FLAGS))
         # Closes the descriptor once: at close(), or when the object goes unclosed (a Ctrl-C
         # between here and the reader's listing of it, or inside the reader's close()).
         self._closer = weakref.finalize(self, os.close, self.fd)
@@ -120,7 +123,10 @@ class _OpenFile:
         never reach the file), as a lease that unmaps it off the caller's thread once the
         reader and every view are done with it (:mod:`lazyckpt.unmap`)."""
         if self._map is None:
-            self._map = unmap.lease(mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY))
+            fd = self.fd
+            self._map = unmap.lease(
+                fdlimit.opening(self.path, lambda: mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            )
         return self._map
 
     def watched(self) -> None:

@@ -431,3 +431,67 @@ def test_an_unreadable_sharding_record_leaves_the_file_as_it_is(tmp_path: Path) 
     for i, info in enumerate(["[" * 100_000, '{"w": {"saved_offsets": [' + "9" * 5000 + "]}}"]):
         save_file({"w": t}, tmp_path / f"m{i}.safetensors", metadata={"DCP_SHARDING_INFO": info})
         assert torch.equal(load_all(tmp_path / f"m{i}.safetensors")["w"], t)
+
+
+_MANY_FILES_CHILD = """
+import resource, sys
+import torch
+import lazyckpt
+
+folder, soft, hard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+for use_mmap in (True, False):
+    options = lazyckpt.ModelCheckpointLoadOptions(mmap=use_mmap)
+    try:
+        got = {k: t.clone() for k, t in lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {}, options)}
+    except OSError as exc:
+        print("error", use_mmap, exc)
+        continue
+    ok = len(got) == 150 and all(torch.equal(got[f"w{i}"], torch.full((3, 2), float(i))) for i in range(150))
+    print("loaded", use_mmap, ok, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def test_a_folder_of_more_files_than_the_soft_limit_on_descriptors(tmp_path: Path) -> None:
+    # FileSystemWriter(single_file_per_rank=False) writes a file per tensor, and a load keeps
+    # each file it reads open (twice where mapped): past the soft limit (1,024 on many systems)
+    # it stopped halfway with a bare "[Errno 24] Too many open files". The soft limit is raised
+    # to the hard one; past that, the error names the file and the fix.
+    import subprocess
+    import sys
+
+    folder = tmp_path / "dcp"
+    state = {f"w{i}": torch.full((3, 2), float(i)) for i in range(150)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, single_file_per_rank=False))
+    assert len(list(folder.glob("*.distcp"))) == 150
+
+    def child(soft: int, hard: int) -> list[str]:
+        run = subprocess.run(
+            [sys.executable, "-c", _MANY_FILES_CHILD, str(folder), str(soft), str(hard)],
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stdout.splitlines()
+
+    assert child(64, 1024) == ["loaded True True 1024", "loaded False True 1024"]
+    (mapped, read) = child(64, 64)
+    assert mapped.startswith("error True [Errno 24] cannot open") and "ulimit -n" in mapped
+    assert ".distcp" in mapped and "mmap=False" in mapped
+    assert read.startswith("error False [Errno 24] cannot open"), read
+
+
+def test_a_chunk_lazyckpt_cannot_load_says_what_it_holds(tmp_path: Path) -> None:
+    # A quantized tensor's chunk was "holds a Unsupported, not a tensor": the reason and the
+    # fix that a torch file's error gives were dropped.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    dcp.save({"q": q, "w": torch.ones(2)}, checkpoint_id=tmp_path)
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError) as got:
+        load_all(tmp_path, {})
+    message = str(got.value)
+    assert got.value.key == "q" and "Unsupported" not in message, message
+    assert "which lazyckpt cannot load" in message and "dense tensor" in message, message

@@ -31,6 +31,7 @@ from lazyckpt.torch_zip import (
     PickleMemo,
     ShapeMemo,
     StoredTensor,
+    Unsupported,
     layout_by_name,
     read_torch_archive,
     restricted_find_class,
@@ -602,6 +603,13 @@ def _locate(
             file, f"key {fqn!r}: the chunk at byte {offset}: {archive.forbidden_message()}", key=fqn
         )
     stored = archive.obj
+    if isinstance(stored, Unsupported):  # quantized, sparse, a subclass: say which, and the fix
+        raise CorruptModelCheckpointError(
+            file,
+            f"key {fqn!r}: the chunk at byte {offset} holds {stored.what}, which lazyckpt "
+            f"cannot load; {stored.hint}",
+            key=fqn,
+        )
     if not isinstance(stored, StoredTensor):
         raise CorruptModelCheckpointError(
             file,
