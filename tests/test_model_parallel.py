@@ -344,7 +344,7 @@ def test_a_copied_rank_file_is_warned_of_not_read_as_one_more_rank_silently(tmp_
     shutil.copy(tmp_path / "consolidated.01.pth", tmp_path / "consolidated.02.pth")
     with pytest.warns(
         lazyckpt.CheckpointWarning,
-        match=r"consolidated.02.pth: holds the same bytes as consolidated.01.pth.*remove it",
+        match=r"consolidated.02.pth holds the same bytes as consolidated.01.pth.*remove it",
     ):
         got = load_all(tmp_path, {"w": 0})
     assert torch.equal(got["w"], torch.cat([full["w"], full["w"][2:]]))
