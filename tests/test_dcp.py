@@ -371,6 +371,16 @@ def test_a_rank_local_save_missing_a_ranks_metadata_is_refused(
     (folder / "__1_0.distcp").unlink()  # rank 1 wholly gone: the numbering still shows it
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"lacks __1\.metadata"):
         lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {})
+    # The last rank's metadata lost leaves no gap in the numbers: its data file tells (a key
+    # only it saved was dropped without a word, and verify --read said "no problem found").
+    last = tmp_path / "last"
+    shutil.copytree(dcp_saves["fsdp2-rank-local"], last)
+    (last / "__2.metadata").unlink()
+    with pytest.raises(
+        lazyckpt.CorruptModelCheckpointError,
+        match=r"holds __2_0\.distcp, rank 2's data, but no __2\.metadata",
+    ):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(last, {})
 
 
 def test_a_folder_holding_two_saves_metadata_is_refused(tmp_path: Path) -> None:

@@ -301,7 +301,11 @@ def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
     return [folder / n for _, n in local]
 
 
-def _check_rank_metadata(folder: Path, local: list[tuple[int, str]]) -> None:
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+"""``FileSystemWriter``'s data files: ``__{rank}_{n}.distcp``."""
+
+
+def _check_rank_metadata(folder: Path, local: list[tuple[int, str]], names: list[str]) -> None:
     """A save's metadata must be whole and of one save. Each rank of a ``use_collectives=False``
     save writes its own ``__N.metadata``: a gap in their numbers (a rank that died) would drop
     that rank's keys without a word. And torch saves into a folder over an earlier save without
@@ -327,6 +331,20 @@ def _check_rank_metadata(folder: Path, local: list[tuple[int, str]]) -> None:
             f"lacks __{gap}.metadata, rank {gap}'s part of a save made with "
             f"use_collectives=False (each rank writes its own; {len(local)} of them are here): "
             "the save did not finish, or a file was lost; save again",
+        )
+    # The last rank's metadata lost leaves no gap; its data files tell (its keys were dropped).
+    orphans = sorted(
+        (int(m.group(1)), n)
+        for n in names
+        if (m := _DATA_FILE.fullmatch(n)) and int(m[1]) >= len(local)
+    )
+    if orphans:
+        rank, name = orphans[0]
+        raise CorruptModelCheckpointError(
+            folder,
+            f"holds {name}, rank {rank}'s data, but no __{rank}.metadata, its part of a save made "
+            f"with use_collectives=False (each rank writes its own; {len(local)} of them are "
+            "here): the save did not finish, or a file was lost; save again",
         )
 
 
@@ -403,7 +421,9 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         folder = path.parent if path.is_file() else path
         names = os.listdir(folder)
         local = _rank_metadata(folder, names)
-        _check_rank_metadata(folder, local)  # so ranks' files are there only without .metadata
+        _check_rank_metadata(
+            folder, local, names
+        )  # so ranks' files are there only without .metadata
         meta_paths = [folder / n for _, n in local] or [folder / METADATA]  # (missing: when read)
         metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
         # Errors about the metadata name its file, or the folder for the ranks' files together.
