@@ -12,8 +12,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DP_DIM_NAMES", "TP_DIM_NAMES", "Layout", "named_mesh_dims"]
 
-DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel")
-"""Mesh dim names taken for FSDP's dim, in this order of preference."""
+DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel", "shard")
+"""Mesh dim names taken for FSDP's dim, in this order of preference (``shard`` beside
+``replicate``: torch's own HSDP mesh, whose ``replicate`` dim holds copies)."""
 TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
 """Mesh dim names taken for the TP dim."""
 
@@ -70,7 +71,7 @@ class Layout:
 
         ``tp_dim``/``dp_dim`` name (or index) the mesh dims; left out, they are looked up by the
         usual names (TP: ``tp``, ``tensor_parallel``, ``model_parallel``, ``mp``; FSDP: ``dp``,
-        ``dp_shard``, ``fsdp``, ``data_parallel``). A 1-D unnamed mesh needs one of them spelled
+        ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``). A 1-D unnamed mesh needs one of them spelled
         out, since nothing says whether it is TP or FSDP.
         """
         names = tuple(mesh.mesh_dim_names or ())

@@ -32,19 +32,17 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     """
     dims: dict[str, int] = {}
     fsdp = _has_fsdp(model)
-    for module_name, module in model.named_modules():
-        dim = _FAIRSCALE_WEIGHT_DIMS.get(type(module).__name__)
-        if dim is None:
+    # Every path of a shared module or tied parameter: the state dict holds each.
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        layer = _fairscale_layer(type(module))
+        if layer is None:
             continue
         prefix = f"{module_name}." if module_name else ""
         if getattr(module, "weight", None) is not None:
-            dims[prefix + "weight"] = dim
-        if (
-            type(module).__name__ == "ColumnParallelLinear"
-            and getattr(module, "bias", None) is not None
-        ):
+            dims[prefix + "weight"] = _FAIRSCALE_WEIGHT_DIMS[layer]
+        if layer == "ColumnParallelLinear" and getattr(module, "bias", None) is not None:
             dims[prefix + "bias"] = 0
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):
         tp_dim = _dtensor_tp_dim(name, param, fsdp)
         if tp_dim is not None:
             dims[name] = tp_dim
@@ -52,6 +50,11 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     if renames is None:
         return dims
     return {renames.get(name, name): dim for name, dim in dims.items()}
+
+
+def _fairscale_layer(cls: type) -> str | None:
+    """The fairscale layer ``cls`` is or derives from (by class name), or None."""
+    return next((c.__name__ for c in cls.__mro__ if c.__name__ in _FAIRSCALE_WEIGHT_DIMS), None)
 
 
 def _has_fsdp(model: nn.Module) -> bool:
@@ -72,9 +75,10 @@ def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
         if dp_index is not None or (mesh.ndim == 1 and fsdp):
             return None  # a data-parallel mesh only
         if mesh.ndim != 1:
+            said = f"names {names} name neither" if names else "are not named, so none says"
             raise ValueError(
-                f"parameter {name!r} lives on a {mesh.ndim}-D mesh whose dims are not named "
-                f"({names or 'no names'}); name the tensor-parallel dim 'tp'"
+                f"parameter {name!r} lives on a {mesh.ndim}-D mesh whose dims {said} which is "
+                "tensor-parallel and which FSDP's; name them (TP: 'tp', FSDP: 'dp' or 'shard')"
             )
         tp_index = 0
     placement = param.placements[tp_index]

@@ -289,6 +289,77 @@ def test_extra_state_and_checkpoint_wrapped_layers_load_under_their_state_dict_n
         lazyckpt.load_into(build(), tmp_path / "n.pt")
 
 
+def test_shard_dims_name_every_path_of_shared_and_subclassed_fairscale_layers() -> None:
+    # A module under two paths (or a tied weight) is in the state dict, and so in checkpoints,
+    # under each: the second was left out, its key then read as a replica (a load failed with
+    # a shape mismatch). A subclass of a fairscale layer (a fused QKV) splits as its base.
+    class ColumnParallelLinear(nn.Linear):  # fairscale's layers are told by class name
+        pass
+
+    class RowParallelLinear(nn.Linear):
+        pass
+
+    class FusedQKV(ColumnParallelLinear):
+        pass
+
+    shared = ColumnParallelLinear(3, 4)
+    model = nn.ModuleDict(
+        {"a": shared, "b": shared, "qkv": FusedQKV(3, 6), "o": RowParallelLinear(6, 3)}
+    )
+    assert set(model.state_dict()) == {
+        "a.weight", "a.bias", "b.weight", "b.bias", "qkv.weight", "qkv.bias", "o.weight", "o.bias"
+    }
+    assert lazyckpt.get_shard_dims(model) == {
+        "a.weight": 0, "a.bias": 0, "b.weight": 0, "b.bias": 0,
+        "qkv.weight": 0, "qkv.bias": 0, "o.weight": 1,
+    }
+
+
+_MESH_DIMS_CHILD = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+import lazyckpt
+
+# A tied TP weight: the state dict holds it under both names.
+tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+model = nn.Module()
+model.embed = nn.Embedding(6, 4)
+model.lm_head = nn.Linear(4, 6, bias=False)
+model.embed.weight = nn.Parameter(distribute_tensor(torch.ones(6, 4), tp, [Shard(0)]))
+model.lm_head.weight = model.embed.weight
+print(sorted(lazyckpt.get_shard_dims(model).items()))
+
+# torch's own HSDP mesh names: replicas, then FSDP's shards; no TP.
+hsdp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+plain = fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=hsdp)
+print(lazyckpt.get_shard_dims(plain), lazyckpt.Layout.from_mesh(hsdp))
+dist.destroy_process_group()
+"""
+
+
+def test_shard_dims_of_a_tied_dtensor_and_of_torchs_hsdp_mesh() -> None:
+    # A tied DTensor weight's second name was left out; fully_shard on torch's HSDP mesh
+    # ("replicate", "shard") raised "a 2-D mesh whose dims are not named".
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _MESH_DIMS_CHILD, str(port)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "[('embed.weight', 0), ('lm_head.weight', 0)]",
+        "{} tp 0/1, dp 0/1",
+    ], done.stdout
+
+
 def test_shard_dims_use_the_state_dict_names_of_checkpoint_wrapped_layers() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
