@@ -64,4 +64,4 @@ def opening(path: Path, call: Callable[[], T]) -> T:
         f"cannot open {path}: the load keeps each file it reads open (two descriptors where it "
         f"is mapped) and the process reached {limit}; raise it (ulimit -n), or load with "
         "mmap=False, which takes one descriptor per file",
-    ) from None
+    )

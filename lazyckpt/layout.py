@@ -71,8 +71,8 @@ class Layout:
 
         ``tp_dim``/``dp_dim`` name (or index) the mesh dims; left out, they are looked up by the
         usual names (TP: ``tp``, ``tensor_parallel``, ``model_parallel``, ``mp``; FSDP: ``dp``,
-        ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``). A 1-D unnamed mesh needs one of them spelled
-        out, since nothing says whether it is TP or FSDP.
+        ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``). A 1-D unnamed mesh needs one of
+        them spelled out, since nothing says whether it is TP or FSDP.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if tp_dim is None and dp_dim is None:

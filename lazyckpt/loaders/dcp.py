@@ -421,9 +421,8 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         folder = path.parent if path.is_file() else path
         names = os.listdir(folder)
         local = _rank_metadata(folder, names)
-        _check_rank_metadata(
-            folder, local, names
-        )  # so ranks' files are there only without .metadata
+        # So ranks' files are there only without .metadata, and every rank's is there.
+        _check_rank_metadata(folder, local, names)
         meta_paths = [folder / n for _, n in local] or [folder / METADATA]  # (missing: when read)
         metas = [read_dcp_metadata(p, restrict=options.restrict) for p in meta_paths]
         # Errors about the metadata name its file, or the folder for the ranks' files together.
