@@ -26,18 +26,24 @@ __all__ = ["opening"]
 T = TypeVar("T")
 
 
+_UNLIMITED_TARGET = 1 << 20
+"""The soft limit asked for where the hard one is unlimited (macOS): kernels refuse an unlimited
+soft one for descriptors."""
+
+
 def _raise_soft_limit() -> bool:
     """Raise the soft limit on open descriptors to the hard one; whether it rose."""
     if resource is None:
         return False
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard != resource.RLIM_INFINITY and soft >= hard:
-            return False
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (OSError, ValueError):  # a hard limit of infinity the kernel refuses as a soft one
-        return False
-    return True
+        target = _UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return True
+    except (OSError, ValueError):  # refused: the error below says what to do
+        pass
+    return False
 
 
 def opening(path: Path, call: Callable[[], T]) -> T:

@@ -535,7 +535,7 @@ def _check_replaceable(dst: Path) -> None:
     place of: a mount point (a fresh volume's root: the output was written on the parent's
     disk, then the rename failed with EBUSY), or a device, pipe or socket (``--force`` replaced
     ``/dev/full`` with a folder)."""
-    if dst.is_mount():
+    if os.path.ismount(dst):  # (Path.is_mount is POSIX-only before Python 3.12)
         raise DestinationError(
             f"{dst} is a mount point, which a new folder cannot replace; write into a folder "
             f"inside it, such as {dst / 'checkpoint'}"
