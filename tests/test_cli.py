@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,13 @@ def _resave(path: Path, change: dict[str, torch.Tensor]) -> None:
 
 def _listing(folder: Path) -> list[str]:
     return sorted(os.listdir(folder))
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """A child's SIGINT back to the default: a job started in the background (``cmd &``) has
+    it ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C tests would
+    find the command ignoring it, as it should there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # -- inspect ---------------------------------------------------------------------------------
@@ -807,6 +815,7 @@ def test_ctrl_c_midway_leaves_nothing(mp4, tmp_path: Path, sig: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
     while not ready.exists() and child.poll() is None:
         time.sleep(0.01)
@@ -992,6 +1001,7 @@ def test_ctrl_c_while_the_result_is_put_in_place(mp4, tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=REPO,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
     assert child.returncode == 130, child.stderr
     assert f"interrupted after {dst} was written" in child.stderr, child.stderr
@@ -1051,7 +1061,16 @@ def test_parse_size() -> None:
             parse_size(bad)
 
 
-def test_an_interrupt_deferred_while_publishing_is_never_lost() -> None:
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler for the test, even where pytest runs as a background job
+    (``cmd &``: SIGINT ignored, and then Python installs none)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_deferred_while_publishing_is_never_lost(python_sigint: None) -> None:
     # It waits for the block, then acts: saying what was done when the block succeeded, and
     # also when the block raised (then the error is its context).
     from lazyckpt.writers import _interrupts_deferred
