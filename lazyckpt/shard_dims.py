@@ -10,7 +10,7 @@ from torch import nn
 
 from lazyckpt.imported import fsdp_module_class, is_dtensor
 from lazyckpt.layout import named_mesh_dims
-from lazyckpt.state_names import state_dict_renames
+from lazyckpt.state_names import model_keys
 
 __all__ = ["get_shard_dims"]
 
@@ -32,24 +32,17 @@ def get_shard_dims(model: nn.Module) -> dict[str, int]:
     """
     dims: dict[str, int] = {}
     fsdp = _has_fsdp(model)
-    # Every path of a shared module or tied parameter: the state dict holds each.
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    keys = model_keys(model)  # every path of a shared module or tied weight, and its name
+    for path, module, attr, tensor, is_param in keys.tensors:
         layer = _fairscale_layer(type(module))
-        if layer is None:
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        if getattr(module, "weight", None) is not None:
-            dims[prefix + "weight"] = _FAIRSCALE_WEIGHT_DIMS[layer]
-        if layer == "ColumnParallelLinear" and getattr(module, "bias", None) is not None:
-            dims[prefix + "bias"] = 0
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tp_dim = _dtensor_tp_dim(name, param, fsdp)
+        if layer is not None and attr == "weight":
+            dims[path] = _FAIRSCALE_WEIGHT_DIMS[layer]
+        elif layer == "ColumnParallelLinear" and attr == "bias":
+            dims[path] = 0
+        tp_dim = _dtensor_tp_dim(path, tensor, fsdp) if is_param else None
         if tp_dim is not None:
-            dims[name] = tp_dim
-    renames = state_dict_renames(model)  # the names a checkpoint of the model holds
-    if renames is None:
-        return dims
-    return {renames.get(name, name): dim for name, dim in dims.items()}
+            dims[path] = tp_dim
+    return {keys.key(path): dim for path, dim in dims.items()}
 
 
 def _fairscale_layer(cls: type) -> str | None:

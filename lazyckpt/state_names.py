@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["ModelKeys", "model_keys", "state_dict_renames"]
+__all__ = ["ModelKeys", "model_keys"]
 
 EXTRA = "_extra_state"
 """The key suffix of a module's extra state (``torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX``)."""
@@ -77,11 +77,6 @@ def model_keys(model: nn.Module) -> ModelKeys:
             renames = True
     names = _renames(model, tensors, extras) if renames else None
     return ModelKeys(tensors, extras, names)
-
-
-def state_dict_renames(model: nn.Module) -> dict[str, str] | None:
-    """:attr:`ModelKeys.renames` of ``model``."""
-    return model_keys(model).renames
 
 
 def _renames(

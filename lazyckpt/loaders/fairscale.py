@@ -127,8 +127,9 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
-        notes = _left_out([archive for _, archive, _ in ranks])
-        copied = _copy_note([archive for _, archive, _ in ranks], entries)
+        archives = [archive for _, archive, _ in ranks]
+        notes = _left_out(archives)
+        copied = _copy_note(archives, entries)
         if copied is not None:
             notes.append(copied)
             warn(f"{path}: {copied}", CheckpointWarning)
