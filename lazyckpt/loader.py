@@ -100,6 +100,41 @@ class KeyRules:
             dim = self.infer(target, shard_shapes)
         return dim
 
+    def misnamed(self, source_key: str) -> str | None:
+        """Why ``shard_dims`` misses ``source_key``, where it names the key as the checkpoint
+        does while ``key_map`` renames it (``shard_dims`` takes the names after ``key_map``);
+        else ``None``."""
+        return misnamed_message(self.shard_dims, source_key, self.target(source_key))
+
+
+def misnamed_message(
+    shard_dims: Mapping[str, int], source_key: str, target: str | None
+) -> str | None:
+    """See :meth:`KeyRules.misnamed`."""
+    if target is None or target == source_key or target in shard_dims:
+        return None
+    if source_key not in shard_dims:
+        return None
+    return (
+        f"shard_dims names {source_key!r}, which options.key_map renames to {target!r}; "
+        f"shard_dims takes the names after key_map: give shard_dims[{target!r}] "
+        f"= {shard_dims[source_key]}"
+    )
+
+
+def check_shard_dims_names(index: CheckpointIndex, shard_dims: Mapping[str, int]) -> None:
+    """Refuse ``shard_dims`` naming a key by its checkpoint name where ``key_map`` renames it
+    (and no other key takes that name): left alone, the key would be read whole, as a replica,
+    where the user meant it split."""
+    if not shard_dims:
+        return
+    for entry in index:
+        source = entry.checkpoint_key
+        if source not in index.entries:
+            message = misnamed_message(shard_dims, source, entry.key)
+            if message is not None:
+                raise ValueError(f"{index.path}: {message}")
+
 
 def check_path(path: str | os.PathLike[str]) -> Path:
     """``path`` as a ``Path``, or ``FileNotFoundError`` naming it."""
@@ -147,7 +182,10 @@ class IndexedCheckpointLoader(ModelCheckpointLoader):
         if not self.supports_path(p):
             raise CorruptModelCheckpointError(p, f"is not a {self.name} checkpoint")
         rules = KeyRules(shard_dims, options.key_map, infer_shard_dim)
-        return stamped(lambda: self.build_index(p, rules, options))
+        index = stamped(lambda: self.build_index(p, rules, options))
+        if options.key_map is not None:
+            check_shard_dims_names(index, shard_dims)
+        return index
 
     @final
     @gc_paused()

@@ -186,6 +186,36 @@ def test_key_map_renames_and_drops(tmp_path: Path) -> None:
         load_all(tmp_path / "m.safetensors", {}, key_map=lambda k: "same")
 
 
+def test_shard_dims_under_the_checkpoint_name_of_a_renamed_key_is_refused(tmp_path: Path) -> None:
+    # shard_dims takes the names after key_map. Given the checkpoint's name of a renamed key,
+    # the key would be read whole (a replica) where the user meant it split: refused, saying
+    # which name to use. A name that another key takes after key_map is not a mistake.
+    sd = {"a": torch.randn(8, 4), "b": torch.randn(6, 4)}
+    save_file(sd, tmp_path / "m.safetensors")
+    layout = lazyckpt.Layout(tp_size=2, tp_rank=1)
+    rename = {"a": "model.a"}
+    with pytest.raises(ValueError, match=r"shard_dims\['model.a'\] = 0") as info:
+        load_all(tmp_path / "m.safetensors", {"a": 0}, layout=layout, key_map=rename)
+    assert "m.safetensors" in str(info.value) and "renames to 'model.a'" in str(info.value)
+    got = load_all(tmp_path / "m.safetensors", {"model.a": 0}, layout=layout, key_map=rename)
+    assert same_bits(got["model.a"], expected(sd["a"], 0, layout))
+    swap = {"a": "b", "b": "a"}
+    got = load_all(tmp_path / "m.safetensors", {"a": 0}, layout=layout, key_map=swap)
+    assert same_bits(got["a"], expected(sd["b"], 0, layout))
+    assert same_bits(got["b"], sd["a"])
+    # A model-parallel set fails while its index is built (the shards' shapes differ): the
+    # same message, not "add it to shard_dims", which already names the key.
+    full = torch.randn(8, 4)
+    (tmp_path / "mp").mkdir()
+    for r, part in enumerate(torch.chunk(full, 2, 0)):
+        torch.save({"w": part.clone(), "n": torch.ones(3)}, tmp_path / "mp" / f"consolidated.0{r}.pth")
+    for dims in ({"w": 0}, {"w": 0, "n": 0}):
+        with pytest.raises(ValueError, match=r"shard_dims\['x.w'\] = 0"):
+            load_all(tmp_path / "mp", dims, key_map=lambda k: "x." + k)
+    got = load_all(tmp_path / "mp", {"x.w": 0}, key_map=lambda k: "x." + k)
+    assert same_bits(got["x.w"], full)
+
+
 def test_stats_count_only_target_bytes(tmp_path: Path) -> None:
     full = torch.randn(800, 100)
     save_file({"w": full}, tmp_path / "w.safetensors")

@@ -200,6 +200,9 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 _check_split_order(path, key, dim, shapes)
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
+                misnamed = rules.misnamed(key)
+                if misnamed is not None:
+                    raise ValueError(f"{path}: {misnamed}") from None
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:
                 raise ValueError(f"key {key!r}: {exc}") from None

@@ -138,6 +138,9 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     dim = rules.shard_dim(key, [_tp_shape(row) for row in cells])
                     dtype, shape, copies = assemble_grid(cells, dim)
                 except PlanError as exc:
+                    misnamed = rules.misnamed(key)
+                    if misnamed is not None:
+                        raise ValueError(f"{path}: {misnamed}") from None
                     raise CorruptModelCheckpointError(
                         stage, f"key {key!r}: {exc}", key=key
                     ) from None
