@@ -1111,10 +1111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-TERMINATING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-"""Signals that end a command the way Ctrl-C does (Windows has no SIGHUP)."""
-
-
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1123,6 +1119,8 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP (the terminal closed, ssh dropped) clean up like Ctrl-C (temporary
     folders removed) instead of killing outright."""
+    from lazyckpt.writers import TERMINATING
+
     old: dict[int, Any] = {}
     try:
         for s in TERMINATING:

@@ -584,7 +584,10 @@ def _umask() -> int:
     return mask
 
 
-_DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+TERMINATING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+"""Signals that end a command the way Ctrl-C does (Windows has no SIGHUP): the CLI turns them
+into ``KeyboardInterrupt``, and publishing defers them with SIGINT."""
+_DEFERRED = (signal.SIGINT, *TERMINATING)
 
 
 @contextmanager
