@@ -22,7 +22,7 @@ def member_path(folder: Path, name: object, *, cited_by: Path) -> Path:
 
     ``cited_by`` is the file (index) or folder that named it, for the error message.
     """
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or "\0" in name:
         raise CorruptModelCheckpointError(
             cited_by, f"names the file {name!r}, which is not a file name"
         )

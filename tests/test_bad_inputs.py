@@ -523,12 +523,32 @@ def test_index_names_a_missing_file(tmp_path: Path, fmt: str) -> None:
         b'{"metadata": {}}',
         b'{"weight_map": []}',
         b'{"weight_map": {}}',
+        b'{"metadata": {"total_size": 1' + b"0" * 5000 + b'}, "weight_map": {"k": "f"}}',
+        b'{"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b', "weight_map": {"k": "f"}}',
+        b'{"weight_map": {"idx_key_one": "model-00001-of-00002.bin\\u0000"}}',
+        None,
     ],
-    ids=["empty", "not-json", "not-utf8", "array", "no-weight-map", "weight-map-list", "no-keys"],
+    ids=[
+        "empty",
+        "not-json",
+        "not-utf8",
+        "array",
+        "no-weight-map",
+        "weight-map-list",
+        "no-keys",
+        "int-too-long",
+        "nested-too-deep",
+        "nul-in-file-name",
+        "a-folder",
+    ],
 )
-def test_index_file_not_an_index(tmp_path: Path, fmt: str, text: bytes) -> None:
+def test_index_file_not_an_index(tmp_path: Path, fmt: str, text: bytes | None) -> None:
     _, index = _sharded(tmp_path / "ckpt", fmt)
-    index.write_bytes(text)
+    if text is None:
+        index.unlink()
+        index.mkdir()
+    else:
+        index.write_bytes(text)
     fails(tmp_path / "ckpt", CORRUPT, (index.name,), eager=True)
 
 

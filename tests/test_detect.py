@@ -43,6 +43,49 @@ def test_hub_folder_with_both_formats_prefers_safetensors(tmp_path: Path) -> Non
     assert detect_loader(tmp_path).name == "safetensors"
 
 
+def test_safetensors_win_over_the_torch_files_hugging_face_ships_beside_them(
+    tmp_path: Path,
+) -> None:
+    # transformers and diffusers load model.safetensors where a repo also has .bin files (and
+    # their index): those may be stale, or not downloaded at all ("*.safetensors", "*.json").
+    good = torch.arange(4.0)
+    cases = {
+        "bins-not-downloaded": {},
+        "stale-bins": {"pytorch_model-00001-of-00001.bin": torch.full((4,), 7.0)},
+    }
+    for name, bins in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"w": good}, folder / "model.safetensors")
+        for b, t in bins.items():
+            torch.save({"w": t}, folder / b)
+        (folder / "pytorch_model.bin.index.json").write_text(
+            '{"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}'
+        )
+        loader = detect_loader(folder)
+        assert loader.name == "safetensors", name
+        assert torch.equal(dict(loader.lazy_load(folder, {}))["w"], good), name
+        notes = loader.index(folder).notes
+        assert any("pytorch_model.bin.index.json" in n for n in notes), notes
+    # A diffusers component folder (unet/, vae/), and a file saved under one name twice.
+    for st, pt in (("diffusion_pytorch_model", "diffusion_pytorch_model"), ("weights", "weights")):
+        folder = tmp_path / f"{st}-twins"
+        folder.mkdir()
+        save_file({"w": good}, folder / f"{st}.safetensors")
+        torch.save({"w": good + 1}, folder / f"{pt}.bin")
+        assert torch.equal(dict(detect_loader(folder).lazy_load(folder, {}))["w"], good)
+    # A torch index of another name, or torch files of other names, are no such twins.
+    folder = tmp_path / "other-index"
+    folder.mkdir()
+    _st(folder / "model.safetensors")
+    torch.save({"w": torch.zeros(2)}, folder / "ema.bin")
+    (folder / "ema.bin.index.json").write_text('{"weight_map": {"w": "ema.bin"}}')
+    assert detect_loader(folder).name == "torch"
+    (folder / "ema.bin.index.json").unlink()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="both safetensors"):
+        detect_loader(folder)
+
+
 def test_index_wins_over_loose_files_and_says_so(tmp_path: Path) -> None:
     _st(tmp_path / "model-00001-of-00001.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(

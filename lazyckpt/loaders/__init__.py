@@ -18,6 +18,7 @@ import torch
 from lazyckpt.errors import UnknownCheckpointFormatError
 from lazyckpt.loader import IndexedCheckpointLoader, ModelCheckpointLoader, check_path
 from lazyckpt.loaders import dcp, fairscale, fairseq2
+from lazyckpt.loaders._files import torch_twins
 from lazyckpt.loaders.dcp import DcpCheckpointLoader
 from lazyckpt.loaders.fairscale import FILE_RE as _CONSOLIDATED
 from lazyckpt.loaders.fairscale import FairscaleCheckpointLoader
@@ -86,7 +87,7 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
     names = [n for n in os.listdir(p) if not n.startswith(".") or n == ".metadata"]
     sets = [loader for loader, holds in _SETS if holds(p, names)]
     st_index = any(n.endswith(_ST_INDEX) for n in names)
-    pt_index = any(n.endswith(_PT_INDEX) for n in names)
+    pt_indexes = [n for n in names if n.endswith(_PT_INDEX)]
     loose_st = [n for n in names if n.endswith(_ST)]
     # A Hugging Face Trainer's state files (optimizer.pt, training_args.bin, ...) are not weights.
     loose_pt = [
@@ -101,10 +102,14 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
         raise UnknownCheckpointFormatError(
             p, f"holds both a {sets[0].name} and a {sets[1].name} checkpoint; keep one per folder"
         )
-    # An index names its files explicitly; anything else beside it is ignored (and noted).
+    # An index names its files explicitly; anything else beside it is ignored (and noted). But
+    # safetensors files that Hugging Face ships beside its torch files (and their index) win,
+    # as transformers and diffusers load them: the .bin files may be stale, or not downloaded.
     if st_index:
         return SAFETENSORS
-    if pt_index:
+    if pt_indexes:
+        if not sets and torch_twins(loose_st, pt_indexes + loose_pt):
+            return SAFETENSORS
         return TORCH
     distcp = sorted(n for n in names if n.endswith(".distcp"))
     if distcp and not sets:
@@ -125,8 +130,7 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
             )
         return sets[0]
     if loose_st and loose_pt:
-        # Hugging Face repos ship pytorch_model*.bin beside model*.safetensors: same weights.
-        if all(n.startswith("pytorch_model") and n.endswith(".bin") for n in loose_pt):
+        if torch_twins(loose_st, loose_pt):
             return SAFETENSORS
         raise UnknownCheckpointFormatError(
             p,

@@ -19,6 +19,22 @@ from lazyckpt.paths import list_files, member_path, names_ending
 
 __all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "read_hf_index"]
 
+_HF_TORCH_TWIN = re.compile(r"(?:diffusion_)?pytorch_model.*\.bin(?:\.index\.json)?")
+"""The torch files Hugging Face ships beside ``model*.safetensors`` (``diffusion_pytorch_model``
+in diffusers' ``unet/``, ``vae/`` ...), and their index: the same weights, and transformers and
+diffusers load the safetensors ones where both are there."""
+
+
+def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
+    """Whether every one of ``torch_names`` (torch files and indexes) repeats weights that
+    ``safetensors_names`` hold: Hugging Face's names for them, or a safetensors file's name
+    with the other suffix (``model.bin`` beside ``model.safetensors``)."""
+    stems = {n.removesuffix(".safetensors") for n in safetensors_names}
+    return bool(safetensors_names) and all(
+        _HF_TORCH_TWIN.fullmatch(n) or os.path.splitext(n)[0] in stems for n in torch_names
+    )
+
+
 _MAX_INDEX_BYTES = 256 << 20
 
 
@@ -66,8 +82,12 @@ def read_hf_index(index_path: Path, data_suffixes: tuple[str, ...]) -> FileSet:
         if index_path.stat().st_size > _MAX_INDEX_BYTES:
             raise CorruptModelCheckpointError(index_path, "is too large to be an index file")
         doc = json.loads(index_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also an int too long, nesting too deep
         raise CorruptModelCheckpointError(index_path, f"is not valid JSON: {exc}") from None
+    except IsADirectoryError:
+        raise CorruptModelCheckpointError(
+            index_path, "is a folder, not an index file: remove or rename it"
+        ) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CorruptModelCheckpointError(
             index_path, 'has no "weight_map" object mapping each key to its file'

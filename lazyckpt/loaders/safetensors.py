@@ -34,6 +34,9 @@ from lazyckpt.loaders._files import (
     folder_file_set,
     read_hf_index,
 )
+from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as TORCH_INDEX_SUFFIXES
+from lazyckpt.loaders.torch_files import SUFFIXES as TORCH_SUFFIXES
+from lazyckpt.loaders.torch_files import TRAINER_STATE
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import names_ending
 from lazyckpt.readahead import no_readahead
@@ -378,4 +381,19 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
         index = find_index_file(path, INDEX_SUFFIX, "model" + INDEX_SUFFIX)
         if index is not None:
             return read_hf_index(index, (SUFFIX,))
-        return folder_file_set(path, (SUFFIX,))
+        file_set = folder_file_set(path, (SUFFIX,))
+        twins = [
+            n
+            for n in sorted(os.listdir(path))
+            if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES) and not TRAINER_STATE.fullmatch(n)
+        ]
+        if twins:  # detection chose these files over the torch ones (see torch_twins)
+            file_set.notes = [
+                *(file_set.notes or []),
+                *(
+                    f"ignored {n}: the safetensors files beside it are loaded, as Hugging "
+                    "Face loads them where a model is saved in both formats"
+                    for n in twins
+                ),
+            ]
+        return file_set
