@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,24 +72,31 @@ class Layout:
 
         ``tp_dim``/``dp_dim`` name (or index) the mesh dims; left out, they are looked up by the
         usual names (TP: ``tp``, ``tensor_parallel``, ``model_parallel``, ``mp``; FSDP: ``dp``,
-        ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``). A 1-D unnamed mesh needs one of
-        them spelled out, since nothing says whether it is TP or FSDP.
+        ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``), each on its own: ``tp_dim="tp"``
+        on a ``("dp", "tp")`` mesh still shards on ``dp`` (pass ``mesh["tp"]`` for TP alone). A
+        1-D unnamed mesh needs one of them spelled out, since nothing says whether it is TP or
+        FSDP.
         """
         names = tuple(mesh.mesh_dim_names or ())
-        if tp_dim is None and dp_dim is None:
-            tp_dim, dp_dim = named_mesh_dims(names)
-            if tp_dim is None and dp_dim is None:
-                raise ValueError(
-                    f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "
-                    f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index), or name "
-                    "the mesh dims (init_device_mesh(..., mesh_dim_names=('tp',)) or ('dp',))"
-                )
-        tp_at, tp_size, tp_rank = _mesh_dim(mesh, tp_dim, names, "tp_dim")
-        dp_at, dp_size, dp_rank = _mesh_dim(mesh, dp_dim, names, "dp_dim")
+        tp_named, dp_named = named_mesh_dims(names)
+        if tp_dim is None and dp_dim is None and tp_named is None and dp_named is None:
+            raise ValueError(
+                f"Layout.from_mesh: cannot tell the TP and DP dims of a mesh with dim names "
+                f"{names or 'None'}; pass tp_dim= and/or dp_dim= (a name or an index), or name "
+                "the mesh dims (init_device_mesh(..., mesh_dim_names=('tp',)) or ('dp',))"
+            )
+        tp_arg = "tp_dim" if tp_dim is not None else "tp_dim (found by name)"
+        dp_arg = "dp_dim" if dp_dim is not None else "dp_dim (found by name)"
+        tp_at, tp_size, tp_rank = _mesh_dim(
+            mesh, tp_dim if tp_dim is not None else tp_named, names, tp_arg
+        )
+        dp_at, dp_size, dp_rank = _mesh_dim(
+            mesh, dp_dim if dp_dim is not None else dp_named, names, dp_arg
+        )
         if tp_at is not None and tp_at == dp_at:  # the ranks along it would skip half the boxes
             raise ValueError(
-                f"Layout.from_mesh: tp_dim={tp_dim!r} and dp_dim={dp_dim!r} are one mesh dim; "
-                "give TP and DP dims of their own"
+                f"Layout.from_mesh: {tp_arg} and {dp_arg} are one mesh dim, "
+                f"{names[tp_at] if names else tp_at!r}; give TP and DP dims of their own"
             )
         return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
 
@@ -120,7 +128,14 @@ def _mesh_dim(
             raise ValueError(f"Layout.from_mesh: {arg}={dim!r} is not a mesh dim name {names}")
         index = names.index(dim)
     else:
-        index = dim
+        try:
+            if isinstance(dim, bool):  # True would be taken as dim 1
+                raise TypeError
+            index = operator.index(dim)
+        except TypeError:
+            raise ValueError(
+                f"Layout.from_mesh: {arg} must be a mesh dim name or index, got {dim!r}"
+            ) from None
         if not 0 <= index < mesh.ndim:
             raise ValueError(
                 f"Layout.from_mesh: {arg}={dim} is out of range for a {mesh.ndim}-D mesh"

@@ -420,7 +420,20 @@ def check_layout_helpers(rank: int, world: int) -> None:
     want = lazyckpt.Layout(tp_size=2, tp_rank=rank % 2, dp_size=2, dp_rank=rank // 2)
     assert lazyckpt.Layout.from_mesh(mesh) == want
     assert lazyckpt.Layout.from_mesh(mesh, tp_dim=1, dp_dim=0) == want
-    for tp_dim, dp_dim in (("tp", "tp"), (1, "tp"), (0, 0)):  # half the (tp, dp) boxes unread
+    # A dim left out is found by its name, whichever the other is given (not size 1: a DP
+    # rank would load the whole TP chunk); given as the other's named dim, refused.
+    for given in ({"tp_dim": "tp"}, {"dp_dim": "dp"}, {"tp_dim": 1}, {"dp_dim": 0}):
+        assert lazyckpt.Layout.from_mesh(mesh, **given) == want, given
+    assert lazyckpt.Layout.from_mesh(mesh["tp"]) == lazyckpt.Layout(tp_size=2, tp_rank=rank % 2)
+    for bad in (True, 1.0, None):  # True is no mesh dim 1; None alone is refused below
+        try:
+            lazyckpt.Layout.from_mesh(mesh, tp_dim=bad, dp_dim=None if bad is not None else 0.5)
+        except ValueError as exc:
+            assert "must be a mesh dim name or index" in str(exc), exc
+        else:
+            raise AssertionError(f"tp_dim={bad!r} must be refused")
+    for tp_dim, dp_dim in (("tp", "tp"), (1, "tp"), (0, 0), (0, None), (None, 1)):
+        # half the (tp, dp) boxes unread
         try:
             lazyckpt.Layout.from_mesh(mesh, tp_dim=tp_dim, dp_dim=dp_dim)
         except ValueError as exc:
