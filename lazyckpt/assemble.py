@@ -83,10 +83,7 @@ def assemble_grid(
             shape0 = row_shape
         for d in range(ndim):
             if d != dim and row_shape[d] != shape0[d]:
-                raise PlanError(
-                    f"shard shapes disagree off the shard dim {dim}: {shape0} in "
-                    f"{grid[0][0].where}, {row_shape} in {row[0].where}"
-                )
+                raise _off_dim(dim, shape0, grid[0][0].where, row_shape, row[0].where)
         chunks.extend(row_chunks)
         offset += row_shape[dim]
     assert shape0 is not None
@@ -125,6 +122,25 @@ def _shard_dim(shard_dim: int, ndim: int) -> int:
         ) from None
 
 
+def _off_dim(
+    dim: int, a: tuple[int, ...], where_a: str, b: tuple[int, ...], where_b: str
+) -> Exception:
+    """Two TP shards whose shapes differ off the shard dim ``dim``. Where they agree on ``dim``
+    and differ on one other dim, the key is split on that one and ``shard_dims`` names the
+    wrong dim (a ``ValueError``, the caller's to fix); else the files disagree (a
+    ``PlanError``: the checkpoint's)."""
+    differ = [d for d in range(len(a)) if a[d] != b[d]]
+    if len(differ) == 1 and a[dim] == b[dim]:
+        return ValueError(
+            f"its shards differ in size along dim {differ[0]}, not along its shard dim {dim} "
+            f"({a} in {where_a}, {b} in {where_b}): the key is split on dim {differ[0]}; fix "
+            "shard_dims"
+        )
+    return PlanError(
+        f"shard shapes disagree off the shard dim {dim}: {a} in {where_a}, {b} in {where_b}"
+    )
+
+
 def _concat(
     grid: Sequence[Sequence[Cell]], dim: int, ndim: int
 ) -> tuple[tuple[int, ...], tuple[tuple[Chunk, ...], ...]]:
@@ -137,10 +153,7 @@ def _concat(
     for (c,) in grid:
         shape = c.shape
         if shape[:dim] != before or shape[dim + 1 :] != after:
-            raise PlanError(
-                f"shard shapes disagree off the shard dim {dim}: {base} in {grid[0][0].where}, "
-                f"{shape} in {c.where}"
-            )
+            raise _off_dim(dim, base, grid[0][0].where, shape, c.where)
         offsets = [0] * ndim
         offsets[dim] = offset
         chunks.append(Chunk(tuple(offsets), shape, c.data))

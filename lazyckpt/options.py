@@ -132,6 +132,13 @@ class ModelCheckpointLoadOptions:
             raise ValueError(
                 f"options.key_map must be a mapping or a function, got {self.key_map!r}"
             )
+        if isinstance(self.key_map, Mapping):
+            for key, new in self.key_map.items():
+                if new is not None and not isinstance(new, str):
+                    raise ValueError(
+                        f"options.key_map maps {key!r} to {new!r}; each key must map to a str "
+                        "or None"
+                    )
         if self.stats is not None and not isinstance(self.stats, LoadStats):
             raise ValueError(f"options.stats must be a lazyckpt.LoadStats, got {self.stats!r}")
 

@@ -1123,6 +1123,32 @@ def test_mp_valid_set_loads(tmp_path: Path) -> None:
     assert_same(got, {k: expected(t, MP_DIMS.get(k), layout) for k, t in MP_FULL.items()})
 
 
+def test_mp_wrong_or_out_of_range_shard_dim_is_the_callers_error(tmp_path: Path) -> None:
+    # A sound set split unevenly on dim 0 (wq: 8 rows over 3 ranks), loaded with wq on dim 1:
+    # shard_dims is wrong, not the files. Said as a ValueError naming the dim the shards are
+    # split on, for fairscale files (saved apart) and a fairseq2 folder alike.
+    shards = mp_shards(3)
+    folder = write_mp(tmp_path / "mp", shards)
+    fs2 = tmp_path / "fs2"
+    for r, sd in enumerate(shards):
+        (fs2 / f"tp_{r:02d}").mkdir(parents=True)
+        torch.save({"model": sd}, fs2 / f"tp_{r:02d}" / "sdp_00.pt")
+    for path in (folder, fs2):
+        with pytest.raises(ValueError, match=r"split on dim 0; fix shard_dims") as info:
+            load(path, {**MP_DIMS, WQ: 1})
+        assert not isinstance(info.value, CORRUPT) and WQ in str(info.value)
+        assert_same(load(path, MP_DIMS), MP_FULL)
+        # Out of range, negative or not, on a set whose shards differ in size.
+        for dim in (2, -3):
+            with pytest.raises(ValueError, match=rf"shard dim {dim} is out of range"):
+                load(path, {**MP_DIMS, WQ: dim})
+    # Shards that differ off the shard dim in two dims are the files' fault.
+    bad = mp_shards(2)
+    bad[1][WQ] = torch.zeros(3, 5)
+    with pytest.raises(CORRUPT, match="disagree off the shard dim 0"):
+        load(write_mp(tmp_path / "bad", bad), MP_DIMS)
+
+
 @pytest.mark.parametrize("where", ["descriptor-crc", "local-name", "pickle"])
 def test_mp_damage_in_a_later_rank_file(tmp_path: Path, where: str) -> None:
     """Rank files after the first are recognised by comparing their bytes with a checked one

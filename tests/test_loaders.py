@@ -184,6 +184,11 @@ def test_key_map_renames_and_drops(tmp_path: Path) -> None:
     assert set(got) == {"model." + k for k in sd}
     with pytest.raises(ValueError, match="maps both"):
         load_all(tmp_path / "m.safetensors", {}, key_map=lambda k: "same")
+    for bad in (5, ("x",)):  # as a function's result, so a mapping's value
+        with pytest.raises(ValueError, match="must return a str or None"):
+            load_all(tmp_path / "m.safetensors", {}, key_map=lambda k, bad=bad: bad)
+        with pytest.raises(ValueError, match=r"maps 'scale' to .*must map to a str or None"):
+            lazyckpt.ModelCheckpointLoadOptions(key_map={"scale": bad})
 
 
 def test_shard_dims_under_the_checkpoint_name_of_a_renamed_key_is_refused(tmp_path: Path) -> None:

@@ -151,7 +151,8 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
     ) -> None:
         """Index files saved alike (see :func:`_alike`): a key's shard has one shape, dtype and
         offset in every file, so it is checked once, in the first."""
-        _, archive, first = ranks[0]
+        first_file, archive, first = ranks[0]
+        path = first_file.parent
         others = [f for f, _, _ in ranks[1:]]
         for key, stored in first.items():
             target = rules.target(key)
@@ -165,7 +166,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             try:
                 dtype, shape, copies = assemble_alike(shape, stored.dtype, datas, dim)
             except ValueError as exc:
-                raise ValueError(f"key {key!r}: {exc}") from None
+                raise ValueError(f"{path}: key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
 
     @staticmethod
@@ -205,7 +206,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                     raise ValueError(f"{path}: {misnamed}") from None
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:
-                raise ValueError(f"key {key!r}: {exc}") from None
+                raise ValueError(f"{path}: key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
 
 
@@ -215,7 +216,7 @@ def _check_split_order(
     """Refuse shards whose sizes along the split dim grow from one rank to a later one: a
     split (``torch.chunk``, ``tensor_split``, Meta's even ones) gives the larger shards to the
     first ranks, so such a set mixes files of different checkpoints or a damaged one."""
-    if dim is None or any(len(s) <= dim for s in shapes):
+    if dim is None or any(not -len(s) <= dim < len(s) for s in shapes):
         return  # a replica; a dim out of range is refused where the shards are joined
     sizes = [s[dim] for s in shapes]
     if any(a < b for a, b in itertools.pairwise(sizes)):

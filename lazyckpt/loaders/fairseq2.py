@@ -145,7 +145,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                         stage, f"key {key!r}: {exc}", key=key
                     ) from None
                 except ValueError as exc:
-                    raise ValueError(f"key {key!r}: {exc}") from None
+                    raise ValueError(f"{path}: key {key!r}: {exc}") from None
                 add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
         return CheckpointIndex(
             path=path,
