@@ -124,21 +124,18 @@ def _shard_dim(shard_dim: int, ndim: int) -> int:
 
 def _off_dim(
     dim: int, a: tuple[int, ...], where_a: str, b: tuple[int, ...], where_b: str
-) -> Exception:
-    """Two TP shards whose shapes differ off the shard dim ``dim``. Where they agree on ``dim``
-    and differ on one other dim, the key is split on that one and ``shard_dims`` names the
-    wrong dim (a ``ValueError``, the caller's to fix); else the files disagree (a
-    ``PlanError``: the checkpoint's)."""
+) -> PlanError:
+    """Two TP shards whose shapes differ off the shard dim ``dim``: files that disagree, or
+    where they agree on ``dim`` and differ on one other dim, as likely a key split unevenly on
+    that one while ``shard_dims`` names another; the message says both."""
     differ = [d for d in range(len(a)) if a[d] != b[d]]
+    message = f"shard shapes disagree off the shard dim {dim}: {a} in {where_a}, {b} in {where_b}"
     if len(differ) == 1 and a[dim] == b[dim]:
-        return ValueError(
-            f"its shards differ in size along dim {differ[0]}, not along its shard dim {dim} "
-            f"({a} in {where_a}, {b} in {where_b}): the key is split on dim {differ[0]}; fix "
-            "shard_dims"
+        message += (
+            f"; if the key is split on dim {differ[0]}, fix shard_dims, else the rank files "
+            "disagree"
         )
-    return PlanError(
-        f"shard shapes disagree off the shard dim {dim}: {a} in {where_a}, {b} in {where_b}"
-    )
+    return PlanError(message)
 
 
 def _concat(

@@ -19,6 +19,7 @@ import functools
 import io
 import os
 import pickle
+import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -412,6 +413,9 @@ class TorchArchive:
     """The ``.data/serialization_id`` torch writes, derived from the records' CRC-32s and sizes
     (read for the files of a set only, ``read_torch_archive(serial=True)``): two files with one
     hold the same bytes (:func:`copied_files`)."""
+    crcs: dict[str, int] = field(default_factory=dict)
+    """Storage key -> the CRC-32 its zip record declares (0: torch saved without them), as
+    the directory says; checked against the bytes only where they are read."""
 
     def forbidden_message(self) -> str:
         names = ", ".join(f"'{n}'" for n in dict.fromkeys(self.forbidden))
@@ -551,12 +555,20 @@ def read_torch_archive(
         if shapes is not None:
             known = _recognise(fd, start, shapes.get((length, restrict), ()))
             if known is not None:
-                storages = {k: (start + at, n) for k, (at, n) in known.storages.items()}
+                archive, crcs = known
+                storages = {k: (start + at, n) for k, (at, n) in archive.storages.items()}
                 sid = None
-                if serial and known.serial is not None:
-                    at, n = known.serial
+                if serial and archive.serial is not None:
+                    at, n = archive.serial
                     sid = os.pread(fd, n, start + at)
-                return TorchArchive(path, known.obj, storages, known.forbidden, sid)
+                return TorchArchive(
+                    path,
+                    archive.obj,
+                    storages,
+                    archive.forbidden,
+                    sid,
+                    dict(zip(archive.crc_keys, struct.unpack(f"<{len(crcs)}I", b"".join(crcs)))),
+                )
         span = ZipSpan(fd, start, length)
         # The head block read_directory keeps: one read for the magic and the first records.
         _check_magic(path, span.keep(0, min(length, HEAD_BLOCK))[:4], window)
@@ -603,15 +615,49 @@ def copied_files(archives: Sequence[TorchArchive]) -> list[tuple[Path, Path]]:
     torch derives the id from the CRC-32s and sizes of the records it writes, so two files with
     one hold the same values: a copy (``cp consolidated.07.pth consolidated.08.pth``), or ranks
     whose shards are equal (replicas only, empty or constant shards). Files without an id
-    (torch before 2.1) are not compared."""
+    (torch before 2.1), or saved without CRC-32s (``compute_crc32=False``: the id then says
+    only the records' sizes), are not compared."""
     seen: dict[bytes, Path] = {}
     pairs = []
     for a in archives:
-        if a.serial_id:
+        if a.serial_id and all(a.crcs.values()):
             first = seen.setdefault(a.serial_id, a.path)
             if first != a.path:
                 pairs.append((first, a.path))
     return pairs
+
+
+def differing_copy(copies: Sequence[tuple[TorchArchive, StoredTensor]]) -> int | None:
+    """The index of the first of ``copies`` (one key's tensor as each file stores it) whose
+    bytes differ from the first's, as the CRC-32s of their storage records prove without a
+    byte read: where the copies are laid out alike and each fills its record, contiguous. None
+    where none is proven to differ (equal CRCs, no CRCs, or copies not comparable so): a
+    replica too large to be compared by reading (``verify_replicas_max_bytes``) is still
+    checked this way."""
+    first_archive, first = copies[0]
+    crc = _whole_record_crc(first_archive, first)
+    if crc is None:
+        return None
+    for i, (archive, t) in enumerate(copies[1:], 1):
+        if t.sizes == first.sizes and t.dtype == first.dtype:
+            other = _whole_record_crc(archive, t)
+            if other is not None and other != crc:
+                return i
+    return None
+
+
+def _whole_record_crc(archive: TorchArchive, t: StoredTensor) -> int | None:
+    """The CRC-32 of ``t``'s storage record where ``t`` is that record's bytes in row-major
+    order (so equal tensors have equal records), else None."""
+    crc = archive.crcs.get(t.storage.key)
+    if not crc or t.storage_offset != 0:
+        return None
+    stride = 1
+    for size, step in zip(reversed(t.sizes), reversed(t.strides)):
+        if size != 1 and step != stride:
+            return None
+        stride *= size
+    return crc if stride == t.storage.numel else None
 
 
 def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:
@@ -646,6 +692,7 @@ def _read_archive(
     prefix = pickles[0].name[: -len("data.pkl")]
     base = span.start
     storages: dict[str, tuple[int, int]] = {}
+    crcs: dict[str, int] = {}
     order = pkl = sid_at = None
     n = len(prefix)
     # Local headers are checked for the records we read; the others (version, serialization
@@ -658,6 +705,7 @@ def _read_archive(
         if rest.startswith("data/"):
             found = record_data(span, r)
             storages[rest[5:]] = (base + found[0], r.size)
+            crcs[rest[5:]] = r.crc
             payloads.append(i)
         elif rest == "data.pkl":
             found = record_data(span, r)
@@ -702,9 +750,10 @@ def _read_archive(
         shape = None if full else zip_shape(span, records, spans, directory, payloads, raw_prefix)
         if shape is not None:
             relative = {k: (at - base, size) for k, (at, size) in storages.items()}
-            same.append(_Known(shape, relative, obj, forbidden, sid_at))
+            by_place = sorted(storages, key=lambda k: storages[k][0])  # as shape.crcs cuts them
+            same.append(_Known(shape, relative, obj, forbidden, tuple(by_place), sid_at))
     return TorchArchive(
-        path, obj, storages, forbidden, None if sid_at is None else span.read(*sid_at)
+        path, obj, storages, forbidden, None if sid_at is None else span.read(*sid_at), crcs
     )
 
 
@@ -717,6 +766,9 @@ class _Known:
     """Storage key -> (byte offset from the archive's start, record length)."""
     obj: Any
     forbidden: list[str]
+    crc_keys: tuple[str, ...]
+    """The storage keys in the order of their data in the archive: of the CRC-32s that
+    :meth:`ZipShape.matches` gives."""
     serial: tuple[int, int] | None = None
     """Where its serialization id lies (offset from the archive's start, length), if read."""
 
@@ -734,11 +786,15 @@ shard of a key has one shape), and in the archive name that torch takes from the
 ~0.1 ms a fairscale MP-8 file recognised. A few shapes are kept per length."""
 
 
-def _recognise(fd: int, start: int, known: Sequence[_Known]) -> _Known | None:
-    """The first of ``known`` whose shape the archive at ``start`` of ``fd`` repeats."""
+def _recognise(
+    fd: int, start: int, known: Sequence[_Known]
+) -> tuple[_Known, Sequence[bytes]] | None:
+    """The first of ``known`` whose shape the archive at ``start`` of ``fd`` repeats, with
+    the archive's payload CRC-32s."""
     for k in known:
-        if k.shape.matches(fd, start):
-            return k
+        crcs = k.shape.matches(fd, start)
+        if crcs is not None:
+            return k, crcs
     return None
 
 

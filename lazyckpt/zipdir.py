@@ -420,23 +420,26 @@ class ZipShape:
     the archive names."""
     keep_bytes: bytes
     crcs: tuple[Callable[[bytes], Sequence[bytes]], Callable[[bytes], Sequence[bytes]]]
-    """Per payload, its CRC-32 in its data descriptor and in its directory entry: the two
-    joined must be equal."""
+    """Per payload, in the order of their data in the archive, its CRC-32 in its data
+    descriptor and in its directory entry: the two joined must be equal."""
     names: Callable[[bytes], Sequence[bytes]] | None
     """Every place the archive name is written (None: it is empty)."""
 
-    def matches(self, fd: int, start: int) -> bool:
-        """Whether the archive at ``start`` of ``fd`` (of this length) repeats this shape."""
+    def matches(self, fd: int, start: int) -> Sequence[bytes] | None:
+        """Whether the archive at ``start`` of ``fd`` (of this length) repeats this shape: its
+        payloads' CRC-32s (little-endian, in the order of their data in the archive) if so,
+        else None."""
         parts = [os.pread(fd, n, start + at) for at, n in self.reads]
         got = b"".join(parts) if len(parts) > 1 else parts[0]
         if len(got) != self.total or b"".join(self.keep(got)) != self.keep_bytes:
-            return False
+            return None
         if self.names is not None:
             written = set(self.names(got))
             if len(written) != 1 or not _plain_prefix(written.pop()):
-                return False
+                return None
         first, second = self.crcs
-        return b"".join(first(got)) == b"".join(second(got))
+        crcs = first(got)
+        return crcs if b"".join(crcs) == b"".join(second(got)) else None
 
 
 def _cutter(ranges: Sequence[tuple[int, int]]) -> Callable[[bytes], Sequence[bytes]]:

@@ -1123,10 +1123,11 @@ def test_mp_valid_set_loads(tmp_path: Path) -> None:
     assert_same(got, {k: expected(t, MP_DIMS.get(k), layout) for k, t in MP_FULL.items()})
 
 
-def test_mp_wrong_or_out_of_range_shard_dim_is_the_callers_error(tmp_path: Path) -> None:
+def test_mp_wrong_or_out_of_range_shard_dim_is_said(tmp_path: Path) -> None:
     # A sound set split unevenly on dim 0 (wq: 8 rows over 3 ranks), loaded with wq on dim 1:
-    # shard_dims is wrong, not the files. Said as a ValueError naming the dim the shards are
-    # split on, for fairscale files (saved apart) and a fairseq2 folder alike.
+    # shard_dims is wrong, not the files, though nothing tells that from rank files of two
+    # checkpoints. The error says both, naming the dim the shards differ along, for fairscale
+    # files and a fairseq2 folder alike.
     shards = mp_shards(3)
     folder = write_mp(tmp_path / "mp", shards)
     fs2 = tmp_path / "fs2"
@@ -1134,18 +1135,18 @@ def test_mp_wrong_or_out_of_range_shard_dim_is_the_callers_error(tmp_path: Path)
         (fs2 / f"tp_{r:02d}").mkdir(parents=True)
         torch.save({"model": sd}, fs2 / f"tp_{r:02d}" / "sdp_00.pt")
     for path in (folder, fs2):
-        with pytest.raises(ValueError, match=r"split on dim 0; fix shard_dims") as info:
+        with pytest.raises(CORRUPT, match=r"if the key is split on dim 0, fix shard_dims") as info:
             load(path, {**MP_DIMS, WQ: 1})
-        assert not isinstance(info.value, CORRUPT) and WQ in str(info.value)
+        assert WQ in str(info.value)
         assert_same(load(path, MP_DIMS), MP_FULL)
         # Out of range, negative or not, on a set whose shards differ in size.
         for dim in (2, -3):
             with pytest.raises(ValueError, match=rf"shard dim {dim} is out of range"):
                 load(path, {**MP_DIMS, WQ: dim})
-    # Shards that differ off the shard dim in two dims are the files' fault.
+    # Shards that differ off the shard dim in two dims are the files' fault alone.
     bad = mp_shards(2)
-    bad[1][WQ] = torch.zeros(3, 5)
-    with pytest.raises(CORRUPT, match="disagree off the shard dim 0"):
+    bad[1][WO] = torch.zeros(5, 3)
+    with pytest.raises(CORRUPT, match=r"disagree off the shard dim 1: \(6, 4\) in consolidated.00.pth, \(5, 3\) in consolidated.01.pth$"):
         load(write_mp(tmp_path / "bad", bad), MP_DIMS)
 
 
@@ -1296,8 +1297,19 @@ def test_mp_split_keys_without_shard_dims_are_not_taken_as_replicas(tmp_path: Pa
         },
     ]
     folder = write_mp(tmp_path / "mp_set", shards)
+    # Refused as the set is indexed (the copies' CRC-32s differ), before the warning that
+    # shard_dims names none of its keys; compared by reading, after it.
+    fails(folder, CORRUPT, ((WQ, WO), "add it to shard_dims"), shard_dims={}, eager=True)
+    import torch.utils.serialization as serialization
+
+    saved = serialization.config.save.compute_crc32
+    serialization.config.save.compute_crc32 = False
+    try:
+        folder = write_mp(tmp_path / "no_crcs", shards)
+    finally:
+        serialization.config.save.compute_crc32 = saved
     with pytest.warns(lazyckpt.ShardDimsWarning, match="names none of its 2 keys"):
-        fails(folder, CORRUPT, ((WQ, WO),), shard_dims={})
+        fails(folder, CORRUPT, ((WQ, WO), "add it to shard_dims"), shard_dims={})
 
 
 def test_shard_dims_that_name_no_key_are_warned_of_where_splitting_matters(tmp_path: Path) -> None:
@@ -1350,6 +1362,65 @@ def test_a_fairseq2_set_without_tensor_parallelism_is_not_warned_of(tmp_path: Pa
         assert torch.equal(dict(loader.lazy_load(tmp_path / "tp", {"w": 0}))["w"], full["w"])
     with pytest.warns(lazyckpt.ShardDimsWarning, match="TP-2"):
         loader.lazy_load(tmp_path / "tp", {}, lazyckpt.ModelCheckpointLoadOptions(verify_replicas=False))
+
+
+def test_mp_split_key_left_out_of_shard_dims_is_caught_by_crc_past_the_compare_limit(
+    tmp_path: Path,
+) -> None:
+    """A split key missing from ``shard_dims`` is read as a replica; too large to be compared
+    by reading (here: a limit of 0), it came out as rank 0's shard. Its copies' zip CRC-32s,
+    read with the directories, prove them different: refused when ``lazy_load`` is called,
+    before any tensor byte is read. Files saved alike (one pickle) and apart, both."""
+    no_compare = {"verify_replicas_max_bytes": 0}
+    alike = write_mp(tmp_path / "alike", mp_shards(4))
+    shards = mp_shards(4)
+    shards[2] = dict(reversed(list(shards[2].items())))  # another pickle: indexed file by file
+    apart = write_mp(tmp_path / "apart", shards)
+    fs2 = tmp_path / "fs2"  # fairseq2: TP-4 x SDP-2, each TP row's keys split on dim 0
+    for r, sd in enumerate(mp_shards(4)):
+        (fs2 / f"tp_{r:02d}").mkdir(parents=True)
+        for d in range(2):
+            part = {k: torch.chunk(v, 2, 0)[d].clone() for k, v in sd.items()}
+            torch.save({"model": part}, fs2 / f"tp_{r:02d}" / f"sdp_{d:02d}.pt")
+    for folder in (alike, apart, fs2):
+        stats = lazyckpt.LoadStats()
+        with pytest.raises(CORRUPT, match=r"differ \(their zip records' CRC-32s differ\); if the key is split") as info:
+            load(folder, {WO: 1}, stats=stats, **no_compare)
+        assert WQ in str(info.value) and info.value.key == WQ
+        assert stats.total_bytes_read == 0
+        # True replicas pass, and so does the key with the check turned off (as documented,
+        # rank 0's shard then).
+        got = load(folder, MP_DIMS, **no_compare)
+        assert_same({k: got[k] for k in MP_FULL}, MP_FULL)
+        got = load(folder, {WO: 1}, verify_replicas=False)
+        assert same_bits(got[WQ], torch.chunk(MP_FULL[WQ], 4, 0)[0])
+
+
+def test_mp_replicas_stored_alike_in_value_but_not_in_bytes_load(tmp_path: Path) -> None:
+    # A replica saved contiguous in one rank file and as a transposed view in another holds
+    # the same values in other bytes: no CRC comparison, no error; a view of a larger storage
+    # or files saved without CRCs alike.
+    import torch.utils.serialization as serialization
+
+    norm = torch.arange(12.0).reshape(3, 4)
+    shards = mp_shards(2)
+    shards[0]["norm2"] = norm.clone()
+    shards[1]["norm2"] = norm.t().contiguous().t()
+    shards[0]["tail"] = norm[1].clone()
+    shards[1]["tail"] = norm.clone()[1]
+    folder = write_mp(tmp_path / "mp", shards)
+    got = load(folder, MP_DIMS, verify_replicas_max_bytes=0)
+    assert same_bits(got["norm2"], norm) and same_bits(got["tail"], norm[1])
+    saved = serialization.config.save.compute_crc32
+    serialization.config.save.compute_crc32 = False
+    try:
+        folder = write_mp(tmp_path / "nocrc", mp_shards(2))
+    finally:
+        serialization.config.save.compute_crc32 = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor are they taken for copies of one file
+        got = load(folder, {WO: 1}, verify_replicas_max_bytes=0)  # nothing tells them apart
+    assert same_bits(got[WQ], torch.chunk(MP_FULL[WQ], 2, 0)[0])
 
 
 @pytest.mark.parametrize("dim", [2, -3, 7])

@@ -24,7 +24,13 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, copied_files, read_torch_set
+from lazyckpt.torch_zip import (
+    StoredTensor,
+    TorchArchive,
+    copied_files,
+    differing_copy,
+    read_torch_set,
+)
 
 __all__ = ["FairscaleCheckpointLoader", "rank_files"]
 
@@ -127,6 +133,8 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
+        if options.verify_replicas:
+            _check_replica_crcs(path, ranks, rules, entries)
         archives = [archive for _, archive, _ in ranks]
         notes = _left_out(archives)
         copied = _copy_note(archives, entries)
@@ -208,6 +216,35 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             except ValueError as exc:
                 raise ValueError(f"{path}: key {key!r}: {exc}") from None
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+
+
+def _check_replica_crcs(
+    path: Path,
+    ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]],
+    rules: KeyRules,
+    entries: dict[str, TensorEntry],
+) -> None:
+    """Refuse a replicated key whose copies' zip CRC-32s prove them different (see
+    :func:`differing_copy`): a split key left out of ``shard_dims`` would otherwise come out
+    as rank 0's shard where it is too large to be compared by reading. Free: the CRCs are in
+    the directories already read."""
+    for entry in entries.values():
+        if len(entry.copies) < 2:
+            continue
+        key = entry.checkpoint_key
+        odd = differing_copy([(archive, flat[key]) for _, archive, flat in ranks])
+        if odd is not None:
+            misnamed = rules.misnamed(key)
+            if misnamed is not None:
+                raise ValueError(f"{path}: {misnamed}")
+            raise CorruptModelCheckpointError(
+                ranks[odd][0],
+                f"key {entry.display_key} should be a replica but its copies in "
+                f"{ranks[0][0].name} and {ranks[odd][0].name} differ (their zip records' "
+                "CRC-32s differ); if the key is split across model-parallel ranks, add it to "
+                "shard_dims (see lazyckpt.presets), otherwise one of the files is damaged",
+                key=key,
+            )
 
 
 def _check_split_order(

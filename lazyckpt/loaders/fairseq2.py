@@ -19,7 +19,7 @@ from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import read_torch_set
+from lazyckpt.torch_zip import StoredTensor, TorchArchive, differing_copy, read_torch_set
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -146,6 +146,8 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     ) from None
                 except ValueError as exc:
                     raise ValueError(f"{path}: key {key!r}: {exc}") from None
+                if len(copies) > 1 and options.verify_replicas:
+                    _check_replica_crcs(path, key, grid, grid_files, rules)
                 add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
         return CheckpointIndex(
             path=path,
@@ -155,6 +157,36 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
             notes=notes,
         )
+
+
+def _check_replica_crcs(
+    path: Path,
+    key: str,
+    grid: list[list[tuple[TorchArchive, dict[str, StoredTensor]]]],
+    grid_files: list[list[Path]],
+    rules: KeyRules,
+) -> None:
+    """Refuse a replicated key (a copy in every TP row) whose SDP shards in some row, cut as
+    in the first, have zip CRC-32s that prove them different (see :func:`differing_copy`): a
+    split key left out of ``shard_dims``, past the size replicas are compared by reading."""
+    first = grid[0]
+    for r, row in enumerate(grid[1:], 1):
+        if any(a[key].sizes != b[key].sizes for (_, a), (_, b) in zip(first, row)):
+            continue  # SDP shards cut otherwise: no shard to compare with its twin
+        for s, ((archive0, a), (archive, b)) in enumerate(zip(first, row)):
+            if differing_copy([(archive0, a[key]), (archive, b[key])]) is not None:
+                misnamed = rules.misnamed(key)
+                if misnamed is not None:
+                    raise ValueError(f"{path}: {misnamed}")
+                raise CorruptModelCheckpointError(
+                    grid_files[r][s],
+                    f"key {key!r} should be a replica but its copies in "
+                    f"{grid_files[0][s].relative_to(path)} and "
+                    f"{grid_files[r][s].relative_to(path)} differ (their zip records' CRC-32s "
+                    "differ); if the key is split across tensor-parallel ranks, add it to "
+                    "shard_dims, otherwise one of the files is damaged",
+                    key=key,
+                )
 
 
 def _check_grid(
