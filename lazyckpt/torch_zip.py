@@ -19,7 +19,6 @@ import functools
 import io
 import os
 import pickle
-import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -413,9 +412,25 @@ class TorchArchive:
     """The ``.data/serialization_id`` torch writes, derived from the records' CRC-32s and sizes
     (read for the files of a set only, ``read_torch_archive(serial=True)``): two files with one
     hold the same bytes (:func:`copied_files`)."""
-    crcs: dict[str, int] = field(default_factory=dict)
+    crc_table: dict[str, int] | tuple[dict[str, int], bytes] = field(default_factory=dict)
     """Storage key -> the CRC-32 its zip record declares (0: torch saved without them), as
-    the directory says; checked against the bytes only where they are read."""
+    the directory says (checked against the bytes only where they are read); for a file
+    recognised by its shape, the CRCs as read (4 bytes each) and each key's place among them,
+    shared by the files of that shape: nothing is decoded until asked (:meth:`crc`)."""
+
+    def crc(self, storage_key: str) -> int:
+        """The CRC-32 of the record of storage ``storage_key`` (0: none)."""
+        table = self.crc_table
+        if isinstance(table, dict):
+            return table.get(storage_key, 0)
+        places, raw = table
+        at = places.get(storage_key)
+        return 0 if at is None else int.from_bytes(raw[4 * at : 4 * at + 4], "little")
+
+    def has_crcs(self) -> bool:
+        """Whether torch saved the file with CRC-32s (``compute_crc32``, on by default)."""
+        table = self.crc_table
+        return bool(table[1].strip(b"\0")) if isinstance(table, tuple) else any(table.values())
 
     def forbidden_message(self) -> str:
         names = ", ".join(f"'{n}'" for n in dict.fromkeys(self.forbidden))
@@ -567,7 +582,7 @@ def read_torch_archive(
                     storages,
                     archive.forbidden,
                     sid,
-                    dict(zip(archive.crc_keys, struct.unpack(f"<{len(crcs)}I", b"".join(crcs)))),
+                    (archive.crc_places, crcs),
                 )
         span = ZipSpan(fd, start, length)
         # The head block read_directory keeps: one read for the magic and the first records.
@@ -620,7 +635,7 @@ def copied_files(archives: Sequence[TorchArchive]) -> list[tuple[Path, Path]]:
     seen: dict[bytes, Path] = {}
     pairs = []
     for a in archives:
-        if a.serial_id and all(a.crcs.values()):
+        if a.serial_id and a.has_crcs():
             first = seen.setdefault(a.serial_id, a.path)
             if first != a.path:
                 pairs.append((first, a.path))
@@ -635,29 +650,29 @@ def differing_copy(copies: Sequence[tuple[TorchArchive, StoredTensor]]) -> int |
     replica too large to be compared by reading (``verify_replicas_max_bytes``) is still
     checked this way."""
     first_archive, first = copies[0]
-    crc = _whole_record_crc(first_archive, first)
-    if crc is None:
+    crc = first_archive.crc(first.storage.key)
+    if not crc or not _fills_record(first):
         return None
     for i, (archive, t) in enumerate(copies[1:], 1):
-        if t.sizes == first.sizes and t.dtype == first.dtype:
-            other = _whole_record_crc(archive, t)
-            if other is not None and other != crc:
+        # Files saved alike share one StoredTensor (see read_torch_set): checked once.
+        if t is first or (t.sizes == first.sizes and t.dtype == first.dtype and _fills_record(t)):
+            other = archive.crc(t.storage.key)
+            if other and other != crc:
                 return i
     return None
 
 
-def _whole_record_crc(archive: TorchArchive, t: StoredTensor) -> int | None:
-    """The CRC-32 of ``t``'s storage record where ``t`` is that record's bytes in row-major
-    order (so equal tensors have equal records), else None."""
-    crc = archive.crcs.get(t.storage.key)
-    if not crc or t.storage_offset != 0:
-        return None
+def _fills_record(t: StoredTensor) -> bool:
+    """Whether ``t`` is its storage record's bytes in row-major order, so that equal tensors
+    have equal records."""
+    if t.storage_offset != 0:
+        return False
     stride = 1
     for size, step in zip(reversed(t.sizes), reversed(t.strides)):
         if size != 1 and step != stride:
-            return None
+            return False
         stride *= size
-    return crc if stride == t.storage.numel else None
+    return stride == t.storage.numel
 
 
 def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> None:
@@ -751,7 +766,8 @@ def _read_archive(
         if shape is not None:
             relative = {k: (at - base, size) for k, (at, size) in storages.items()}
             by_place = sorted(storages, key=lambda k: storages[k][0])  # as shape.crcs cuts them
-            same.append(_Known(shape, relative, obj, forbidden, tuple(by_place), sid_at))
+            places = {k: i for i, k in enumerate(by_place)}
+            same.append(_Known(shape, relative, obj, forbidden, places, sid_at))
     return TorchArchive(
         path, obj, storages, forbidden, None if sid_at is None else span.read(*sid_at), crcs
     )
@@ -766,9 +782,9 @@ class _Known:
     """Storage key -> (byte offset from the archive's start, record length)."""
     obj: Any
     forbidden: list[str]
-    crc_keys: tuple[str, ...]
-    """The storage keys in the order of their data in the archive: of the CRC-32s that
-    :meth:`ZipShape.matches` gives."""
+    crc_places: dict[str, int]
+    """Storage key -> its place among the CRC-32s that :meth:`ZipShape.matches` gives (the
+    order of their data in the archive)."""
     serial: tuple[int, int] | None = None
     """Where its serialization id lies (offset from the archive's start, length), if read."""
 
@@ -786,9 +802,7 @@ shard of a key has one shape), and in the archive name that torch takes from the
 ~0.1 ms a fairscale MP-8 file recognised. A few shapes are kept per length."""
 
 
-def _recognise(
-    fd: int, start: int, known: Sequence[_Known]
-) -> tuple[_Known, Sequence[bytes]] | None:
+def _recognise(fd: int, start: int, known: Sequence[_Known]) -> tuple[_Known, bytes] | None:
     """The first of ``known`` whose shape the archive at ``start`` of ``fd`` repeats, with
     the archive's payload CRC-32s."""
     for k in known:

@@ -425,10 +425,10 @@ class ZipShape:
     names: Callable[[bytes], Sequence[bytes]] | None
     """Every place the archive name is written (None: it is empty)."""
 
-    def matches(self, fd: int, start: int) -> Sequence[bytes] | None:
+    def matches(self, fd: int, start: int) -> bytes | None:
         """Whether the archive at ``start`` of ``fd`` (of this length) repeats this shape: its
-        payloads' CRC-32s (little-endian, in the order of their data in the archive) if so,
-        else None."""
+        payloads' CRC-32s if so (4 bytes each, little-endian, in the order of their data in
+        the archive), else None."""
         parts = [os.pread(fd, n, start + at) for at, n in self.reads]
         got = b"".join(parts) if len(parts) > 1 else parts[0]
         if len(got) != self.total or b"".join(self.keep(got)) != self.keep_bytes:
@@ -438,8 +438,8 @@ class ZipShape:
             if len(written) != 1 or not _plain_prefix(written.pop()):
                 return None
         first, second = self.crcs
-        crcs = first(got)
-        return crcs if b"".join(crcs) == b"".join(second(got)) else None
+        crcs = b"".join(first(got))
+        return crcs if crcs == b"".join(second(got)) else None
 
 
 def _cutter(ranges: Sequence[tuple[int, int]]) -> Callable[[bytes], Sequence[bytes]]:
