@@ -71,7 +71,7 @@ def empty(sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     numel = _numel(sizes)
     nbytes = numel * dtype.itemsize
     if not _mappable(nbytes):
-        return torch.empty(tuple(sizes), dtype=dtype)
+        return torch.empty(tuple(sizes), dtype=dtype, device="cpu")
     # The mapping goes when the last view of the tensor does.
     return _wrap(_mapping(nbytes), sizes, dtype, numel)
 

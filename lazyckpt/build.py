@@ -215,7 +215,7 @@ def _replica(plan: TensorPlan, reader: Reader, copy: int, pieces: Sequence[Piece
         view = reader.view(chunk, dtype, piece, key)
         if view is not None:
             return view
-    out = torch.empty(plan.box.sizes, dtype=dtype)
+    out = torch.empty(plan.box.sizes, dtype=dtype, device="cpu")
     _fill(reader, plan.entry.copies[copy], dtype, pieces, out, key)
     return out
 
@@ -308,7 +308,7 @@ class PinnedPool:
     def __init__(self, *, buffers: int = 2, nbytes: int = 32 << 20) -> None:
         self.nbytes = nbytes
         self._buffers = [
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(buffers)
+            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(buffers)
         ]
         self._events: list[torch.cuda.Event | None] = [None] * buffers
         self._next = 0
@@ -316,7 +316,7 @@ class PinnedPool:
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A buffer slot of at least ``nbytes``, waiting for its previous copy to finish."""
         if nbytes > self.nbytes:
-            return -1, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return -1, torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         event = self._events[slot]

@@ -41,7 +41,7 @@ def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     try:
         # Its warnings go out (complex to real: the load drops the imaginary parts): torch
         # says each once a process, and a filter put up to hide them would show others again.
-        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+        torch.empty(1, dtype=dst, device="cpu").copy_(torch.zeros(1, dtype=src, device="cpu"))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True

@@ -895,7 +895,7 @@ def _check_replicas(
             dim, box, pieces = plan_entry(entry, shard_dims, Layout(), index.path)
             others = tuple((i, p) for i, p in enumerate(pieces) if i)
             plan = TensorPlan(entry, dim, box, 0, pieces[0], others)
-            fill(plan, reader, torch.empty(box.sizes, dtype=entry.dtype))
+            fill(plan, reader, torch.empty(box.sizes, dtype=entry.dtype, device="cpu"))
 
 
 _HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -99,6 +99,28 @@ def test_meta_model_materializes_on_the_target_device(sources: dict[str, Path]) 
     assert isinstance(model.up.weight, nn.Parameter) and model.up.weight.requires_grad
 
 
+@pytest.mark.parametrize("mmap", [True, False])
+def test_an_ambient_default_device_does_not_decide_where_lazyckpt_reads(
+    tmp_path: Path, mmap: bool
+) -> None:
+    # Inside the `with torch.device("meta")` that built the model (or after
+    # torch.set_default_device), options.device=None still means the CPU: buffers made without
+    # a device went to meta (parameters left there, reported loaded; preadv into no memory).
+    truth = {"weight": torch.randn(64, 32), "bias": torch.randn(64)}
+    save_file(truth, tmp_path / "m.safetensors")
+    options = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap)
+    with torch.device("meta"):
+        model = nn.Linear(32, 64)
+        report = lazyckpt.load_into(model, tmp_path / "m.safetensors", options=options)
+        cast = lazyckpt.ModelCheckpointLoadOptions(mmap=mmap, dtype=torch.bfloat16)
+        got = dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, cast))
+    assert report.loaded == ["bias", "weight"]
+    for name, t in model.state_dict().items():
+        assert t.device.type == "cpu" and same_bits(t, truth[name]), name
+    for name, t in got.items():
+        assert t.device.type == "cpu" and same_bits(t, truth[name].to(torch.bfloat16)), name
+
+
 def test_a_meta_parameters_attributes_come_along(sources: dict[str, Path]) -> None:
     # Megatron-style tags on a parameter (its TP layout) were lost with the meta tensor.
     with torch.device("meta"):
