@@ -3,6 +3,7 @@ filled through a small pool of pinned staging buffers."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -302,34 +303,51 @@ class PinnedPool:
 
     Each buffer remembers the CUDA event recorded after the last copy out of it; it is reused
     only once that event has completed, so a non-blocking copy never reads a buffer that is
-    being refilled.
+    being refilled. A buffer taken is another thread's to take only once released: the
+    stream's prefetch thread and its consumer (which builds small keys itself) fill buffers of
+    one pool at once.
     """
 
     def __init__(self, *, buffers: int = 2, nbytes: int = 32 << 20) -> None:
         self.nbytes = nbytes
         self._buffers = [
-            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(buffers)
+            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+            for _ in range(buffers)
         ]
         self._events: list[torch.cuda.Event | None] = [None] * buffers
+        self._taken = [False] * buffers
+        self._lock = threading.Lock()
         self._next = 0
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """A buffer slot of at least ``nbytes``, waiting for its previous copy to finish."""
-        if nbytes > self.nbytes:
+        """A buffer slot of at least ``nbytes``, waiting for its previous copy to finish (slot
+        -1: a buffer of its own, where ``nbytes`` is larger or every slot is taken)."""
+        with self._lock:
+            slot = -1
+            if nbytes <= self.nbytes:
+                for _ in self._buffers:
+                    at = self._next
+                    self._next = (at + 1) % len(self._buffers)
+                    if not self._taken[at]:
+                        slot = at
+                        self._taken[at] = True
+                        break
+            event = self._events[slot] if slot >= 0 else None
+        if slot < 0:
             return -1, torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
-        event = self._events[slot]
         if event is not None:
             event.synchronize()
         return slot, self._buffers[slot][:nbytes]
 
-    def release(self, slot: int, buffer: torch.Tensor) -> None:
-        """Mark the copy out of ``slot`` as issued on the current stream."""
+    def release(self, slot: int, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Mark the copy out of ``slot`` as issued on ``stream`` (the destination device's
+        current stream, which the copy went on), and the slot free to take again."""
         event = torch.cuda.Event()
-        event.record()
+        event.record(stream)
         if slot >= 0:
-            self._events[slot] = event
+            with self._lock:
+                self._events[slot] = event
+                self._taken[slot] = False
         else:
             event.synchronize()  # a one-off buffer: keep it alive until its copy is done
             del buffer
@@ -358,13 +376,16 @@ def _fill_cuda(
             r1 = min(box.sizes[0], r0 + rows)
             sub = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:]))
             slabs.append((sub, slice(r0, r1)))
+    stream = torch.cuda.current_stream(dst.device)  # what copy_ to dst issues on
     for sub, rows_slice in slabs:
         slot, raw = pool.take(sub.numel * src_dtype.itemsize)
-        staging = raw.view(src_dtype).view(sub.sizes)
-        _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, key)
-        target = dst if rows_slice is None else dst[rows_slice]
-        if dst.dtype == src_dtype:
-            target.copy_(staging, non_blocking=True)
-        else:
-            target.copy_(staging.to(dst.device, non_blocking=True))
-        pool.release(slot, raw)
+        try:
+            staging = raw.view(src_dtype).view(sub.sizes)
+            _fill(reader, plan.chunks, src_dtype, plan_pieces(sub, chunk_boxes), staging, key)
+            target = dst if rows_slice is None else dst[rows_slice]
+            if dst.dtype == src_dtype:
+                target.copy_(staging, non_blocking=True)
+            else:
+                target.copy_(staging.to(dst.device, non_blocking=True))
+        finally:
+            pool.release(slot, raw, stream)

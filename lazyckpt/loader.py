@@ -278,7 +278,14 @@ def _stream(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     stats = options.stats if options.stats is not None else LoadStats()
     device = options.target_device
-    pool = PinnedPool() if device.type == "cuda" else None
+    pool = None
+    if device.type == "cuda":
+        # The prefetch thread has CUDA's current device and stream of a new thread (device 0,
+        # its default stream): it builds on the caller's, resolved here (see ``build``).
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        caller_stream = torch.cuda.current_stream(device)
+        pool = PinnedPool()
     source_bytes = [p.nbytes for p in plans]
     bar = byte_bar(sum(source_bytes), "loading", enabled=options.progress)
     stats.start()
@@ -394,6 +401,13 @@ def _stream(
                 try_view=not views[i],  # else the reader found that it cannot be one
             )
             return i, tensor, is_view
+
+        if pool is not None:
+            build_here = build
+
+            def build(i: int) -> tuple[int, torch.Tensor, bool]:
+                with torch.cuda.device(device), torch.cuda.stream(caller_stream):
+                    return build_here(i)
 
         items = prefetched(
             range(len(plans)),

@@ -97,3 +97,42 @@ def test_tensors_larger_than_a_pinned_buffer(tmp_path: Path) -> None:
         got = load_all(tmp_path / "big.safetensors", dims, layout=layout, device="cuda")
         for key, t in sd.items():
             assert same_bits(got[key].cpu(), expected(t, dims[key], layout)), (key, layout)
+
+
+def test_small_keys_between_large_ones_onto_the_gpu(tmp_path: Path) -> None:
+    """Keys under 256 KiB are built by the consumer's thread, larger ones ahead on the prefetch
+    thread, both through one pool of pinned buffers: a buffer one thread fills must not be
+    handed to the other (the consumer took two in a row, the second the worker's). Under a
+    side stream of the caller's, on which the copies must be ordered."""
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for i in range(12):
+        sd[f"big{i}"] = torch.randn(1024, 2048, generator=g)  # 8 MB: the prefetch thread
+        sd[f"small{i}a"] = torch.randn(64, 64, generator=g)  # 16 KB: the consumer
+        sd[f"small{i}b"] = torch.randn(64, 64, generator=g)
+    save_file(sd, tmp_path / "mixed.safetensors")
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            got = load_all(tmp_path / "mixed.safetensors", {}, device="cuda", dtype=torch.float16)
+            stream.synchronize()
+        for key, t in sd.items():
+            assert got[key].device == torch.device("cuda", torch.cuda.current_device()), key
+            assert same_bits(got[key].cpu(), t.half()), key
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_device_cuda_means_the_current_device_on_every_thread(tmp_path: Path) -> None:
+    """device="cuda" after torch.cuda.set_device(1): the prefetch thread's current device is
+    0, and what it built went there."""
+    sd = {f"w{i}": torch.randn(512, 1024) for i in range(4)}
+    save_file(sd, tmp_path / "m.safetensors")
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(1)
+    try:
+        got = load_all(tmp_path / "m.safetensors", {}, device="cuda", dtype=torch.float16)
+    finally:
+        torch.cuda.set_device(before)
+    for key, t in sd.items():
+        assert got[key].device == torch.device("cuda", 1), key
+        assert same_bits(got[key].cpu(), t.half()), key
