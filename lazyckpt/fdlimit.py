@@ -46,9 +46,10 @@ def _raise_soft_limit() -> bool:
     return False
 
 
-def opening(path: Path, call: Callable[[], T]) -> T:
+def opening(path: Path, call: Callable[[], T], mapped: bool = True) -> T:
     """``call()`` (an open or a mapping of ``path``), once more after raising the soft limit
-    where it failed with EMFILE; past the hard limit an ``OSError`` that says what to do."""
+    where it failed with EMFILE; past the hard limit an ``OSError`` that says what to do
+    (``mapped``: whether the load maps its files, so that ``mmap=False`` would help)."""
     try:
         return call()
     except OSError as exc:
@@ -65,9 +66,13 @@ def opening(path: Path, call: Callable[[], T]) -> T:
         if resource is not None
         else "its limit on open files"
     )
+    advice = (
+        "raise it (ulimit -n), or load with mmap=False, which takes one descriptor per file"
+        if mapped
+        else "raise it (ulimit -n)"
+    )
     raise OSError(
         errno.EMFILE,
         f"cannot open {path}: the load keeps each file it reads open (two descriptors where it "
-        f"is mapped) and the process reached {limit}; raise it (ulimit -n), or load with "
-        "mmap=False, which takes one descriptor per file",
+        f"is mapped) and the process reached {limit}; {advice}",
     )

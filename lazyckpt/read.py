@@ -90,12 +90,14 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 class _OpenFile:
     """A file opened for one load: its descriptor, size and (lazily) its mapping."""
 
-    def __init__(self, path: Path, defer: int = 0, claims: bool = False) -> None:
+    def __init__(
+        self, path: Path, defer: int = 0, claims: bool = False, mapped: bool = True
+    ) -> None:
         self.path = path
         self.name = str(path)
         """The path as :class:`LoadStats` counts it."""
         self._defer = defer
-        self.fd = fdlimit.opening(path, lambda: os.open(path, _OPEN_FLAGS))
+        self.fd = fdlimit.opening(path, lambda: os.open(path, _OPEN_FLAGS), mapped)
         # Closes the descriptor once: at close(), or when the object goes unclosed (a Ctrl-C
         # between here and the reader's listing of it, or inside the reader's close()).
         self._closer = weakref.finalize(self, os.close, self.fd)
@@ -282,7 +284,7 @@ class Reader:
                 f = self._files.get(path)
                 if f is None:
                     try:
-                        f = _OpenFile(path, self.defer, self.consumer_views)
+                        f = _OpenFile(path, self.defer, self.consumer_views, self.use_mmap)
                     except FileNotFoundError as exc:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"

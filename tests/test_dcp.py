@@ -489,6 +489,7 @@ def test_a_folder_of_more_files_than_the_soft_limit_on_descriptors(tmp_path: Pat
     assert mapped.startswith("error True [Errno 24] cannot open") and "ulimit -n" in mapped
     assert ".distcp" in mapped and "mmap=False" in mapped
     assert read.startswith("error False [Errno 24] cannot open"), read
+    assert "ulimit -n" in read and "mmap=False" not in read  # already so: no use saying it
 
 
 def test_a_chunk_lazyckpt_cannot_load_says_what_it_holds(tmp_path: Path) -> None:
