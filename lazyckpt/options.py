@@ -149,8 +149,22 @@ class ModelCheckpointLoadOptions:
     def usable_device(self) -> torch.device:
         """:attr:`target_device`, refused with a ``ValueError`` where it cannot be used."""
         device = self.target_device
+        if device.type == "cpu":
+            return device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"options.device is {device} but CUDA is not available here")
+        if device.type == "meta":
+            raise ValueError(
+                "options.device is meta, which holds no data: nothing would be read into it. "
+                "For keys, shapes and dtypes without reading, see `lazyckpt inspect` or "
+                "loader.plan()"
+            )
+        try:  # a backend torch lacks here, or a device index past the last
+            torch.empty(0, device=device)
+        except Exception as exc:
+            raise ValueError(
+                f"options.device is {device}, which torch cannot use here: {exc}"
+            ) from None
         return device
 
     def target_layout(self) -> Layout:

@@ -253,6 +253,19 @@ def test_cuda_device_without_gpu_fails_eagerly(tmp_path: Path) -> None:
         lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, opts)
 
 
+def test_a_device_torch_cannot_use_or_meta_fails_eagerly(tmp_path: Path) -> None:
+    # Refused when lazy_load is called, naming options.device, not at the first next() with
+    # torch's own error (xpu: an AssertionError; hpu: ModuleNotFoundError); meta would "read"
+    # every byte into nothing.
+    save_file({"a": torch.zeros(2)}, tmp_path / "m.safetensors")
+    loader = lazyckpt.get_model_checkpoint_loader()
+    bad = ["meta"] + [d for d in ("xpu", "hpu") if not getattr(torch, d, None) or not getattr(torch, d).is_available()]
+    for device in bad:
+        opts = lazyckpt.ModelCheckpointLoadOptions(device=device)
+        with pytest.raises(ValueError, match=f"options.device is {device}"):
+            loader.lazy_load(tmp_path / "m.safetensors", {}, opts)
+
+
 def test_column_shards_are_strided_views_unless_contiguous_is_asked(tmp_path: Path) -> None:
     full = torch.randn(64, 48)
     save_file({"w": full}, tmp_path / "w.safetensors")
