@@ -288,7 +288,6 @@ def _stream(
         pool = PinnedPool()
     source_bytes = [p.nbytes for p in plans]
     bar = byte_bar(sum(source_bytes), "loading", enabled=options.progress)
-    stats.start()
     dtypes = [output_dtype(p.entry.dtype, options.dtype) for p in plans]
     # Memory each delivered tensor takes (a cast to a wider dtype takes more).
     sizes = [p.box.numel * dtype.itemsize for p, dtype in zip(plans, dtypes)]
@@ -312,6 +311,7 @@ def _stream(
     # bound as the prefetcher's memory: the largest tensor plus the budget.
     largest = max(sizes, default=0)
     with (
+        stats.running(),
         Reader(
             use_mmap=options.mmap,
             stats=stats,

@@ -403,7 +403,6 @@ def load_into(
     if any(d.device.type == "cuda" for d in destinations.values()):
         pool = PinnedPool()
     stats = report.stats
-    stats.start()
     bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
 
     def done(plan: TensorPlan) -> None:
@@ -411,6 +410,7 @@ def load_into(
         bar.update(plan.nbytes)
 
     with (
+        stats.running(),
         torch.no_grad(),
         Reader(use_mmap=options.mmap, stats=stats, stamps=index.stamps) as reader,
         bar,

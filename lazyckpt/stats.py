@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -76,12 +78,15 @@ class LoadStats:
     views: int = 0
     """Of those, how many were zero-copy views of the mapped file."""
     seconds: float = 0.0
-    """Wall time from the first read to the last yield, summed over the loads given this
-    object (one reused for two loads a second apart counted the second between them)."""
+    """Wall time from a load's start to its last tensor, summed over the loads given this
+    object; loads that run at once (threads) count the time they share once, and the time
+    between two loads one after the other is not counted."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _started: float | None = field(default=None, repr=False, compare=False)
+    """When the loads running now started (the first of them)."""
     _before: float = field(default=0.0, repr=False, compare=False)
-    """:attr:`seconds` of the loads before the current one."""
+    """:attr:`seconds` before the loads running now."""
+    _running: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         forks.renew_lock_in_child(self)
@@ -102,11 +107,21 @@ class LoadStats:
             if self._started is not None:
                 self.seconds = self._before + time.perf_counter() - self._started
 
-    def start(self) -> None:
-        """A load starts reading: its time adds to that of the loads before it."""
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """A load runs: its time adds to that of the loads before it, or counts with that of
+        the loads it overlaps from the first one's start (one clock for them all: a second
+        load's start does not reset the first's)."""
         with self._lock:
-            self._before = self.seconds
-            self._started = time.perf_counter()
+            if self._running == 0:
+                self._before = self.seconds
+                self._started = time.perf_counter()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
 
     @property
     def total_bytes_read(self) -> int:

@@ -354,6 +354,27 @@ def test_a_stats_object_reused_sums_the_loads_times_not_the_time_between(
     assert first < stats.seconds <= first + second
 
 
+def test_a_stats_object_given_to_loads_that_overlap_counts_their_common_time_once(
+    tmp_path: Path,
+) -> None:
+    # Each load's start reset the one clock: a load that began first, overlapped by a second
+    # that came and went, lost its time before the second's start.
+    import time
+
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(64, 64)}, tmp_path / "m.safetensors")
+    stats = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=stats)
+    loader = lazyckpt.get_model_checkpoint_loader()
+    began = time.perf_counter()
+    outer = loader.lazy_load(tmp_path / "m.safetensors", {}, opts)
+    next(outer)
+    time.sleep(0.3)
+    assert len(list(loader.lazy_load(tmp_path / "m.safetensors", {}, opts))) == 2
+    assert len(list(outer)) == 1
+    assert 0.3 <= stats.seconds <= time.perf_counter() - began
+    assert stats.tensors == 4
+
+
 _CAST_PEAK = """
 import gc, sys, threading, time
 import torch, lazyckpt
