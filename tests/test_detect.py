@@ -74,6 +74,28 @@ def test_safetensors_win_over_the_torch_files_hugging_face_ships_beside_them(
         save_file({"w": good}, folder / f"{st}.safetensors")
         torch.save({"w": good + 1}, folder / f"{pt}.bin")
         assert torch.equal(dict(detect_loader(folder).lazy_load(folder, {}))["w"], good)
+    # Only the counterparts count: an adapter's or one shard's safetensors file beside a
+    # complete torch set is not those weights (the torch set is loaded, whole), and a variant
+    # (fp16) is not the file diffusers loads by default.
+    for name in ("adapter_model.safetensors", "model-00001-of-00002.safetensors"):
+        folder = tmp_path / f"beside-{name}"
+        folder.mkdir()
+        save_file({"lora_A": torch.ones(2)}, folder / name)
+        for i in (1, 2):
+            torch.save({f"w{i}": torch.full((2,), float(i))}, folder / f"pytorch_model-0000{i}-of-00002.bin")
+        (folder / "pytorch_model.bin.index.json").write_text(
+            '{"weight_map": {"w1": "pytorch_model-00001-of-00002.bin", '
+            '"w2": "pytorch_model-00002-of-00002.bin"}}'
+        )
+        loader = detect_loader(folder)
+        assert loader.name == "torch", name
+        assert set(dict(loader.lazy_load(folder, {}))) == {"w1", "w2"}, name
+    folder = tmp_path / "variant"
+    folder.mkdir()
+    save_file({"w": good.half()}, folder / "diffusion_pytorch_model.fp16.safetensors")
+    torch.save({"w": good}, folder / "diffusion_pytorch_model.bin")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="both safetensors"):
+        detect_loader(folder)
     # A torch index of another name, or torch files of other names, are no such twins.
     folder = tmp_path / "other-index"
     folder.mkdir()

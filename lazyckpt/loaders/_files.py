@@ -19,20 +19,36 @@ from lazyckpt.paths import list_files, member_path, names_ending
 
 __all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "read_hf_index"]
 
-_HF_TORCH_TWIN = re.compile(r"(?:diffusion_)?pytorch_model.*\.bin(?:\.index\.json)?")
-"""The torch files Hugging Face ships beside ``model*.safetensors`` (``diffusion_pytorch_model``
-in diffusers' ``unet/``, ``vae/`` ...), and their index: the same weights, and transformers and
-diffusers load the safetensors ones where both are there."""
+_HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
+"""The names of the torch files Hugging Face saves beside ``model*.safetensors`` (diffusers:
+``diffusion_pytorch_model*`` beside ``diffusion_pytorch_model*.safetensors``), and their index;
+the rest of the name (shard numbers, a variant such as ``.fp16``) is the same in both formats."""
 
 
 def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
     """Whether every one of ``torch_names`` (torch files and indexes) repeats weights that
-    ``safetensors_names`` hold: Hugging Face's names for them, or a safetensors file's name
-    with the other suffix (``model.bin`` beside ``model.safetensors``)."""
-    stems = {n.removesuffix(".safetensors") for n in safetensors_names}
-    return bool(safetensors_names) and all(
-        _HF_TORCH_TWIN.fullmatch(n) or os.path.splitext(n)[0] in stems for n in torch_names
-    )
+    ``safetensors_names`` hold, by the names Hugging Face gives the two formats: where a torch
+    index is among them, its single-file counterpart (``pytorch_model.bin.index.json`` beside
+    ``model.safetensors``: transformers loads that one) and Hugging Face's names for the rest;
+    else each file's counterpart (``pytorch_model-00001-of-00002.bin`` beside
+    ``model-00001-of-00002.safetensors``, ``model.bin`` beside ``model.safetensors``), variant
+    included (``diffusion_pytorch_model.bin`` is not ``diffusion_pytorch_model.fp16.safetensors``)."""
+    have = set(safetensors_names)
+    indexes = [n for n in torch_names if n.endswith(".index.json")]
+    if indexes:
+        return all(_counterpart(n) in have for n in indexes) and all(
+            _HF_TORCH.fullmatch(n) for n in torch_names
+        )
+    return bool(torch_names) and all(_counterpart(n) in have for n in torch_names)
+
+
+def _counterpart(torch_name: str) -> str:
+    """The safetensors file Hugging Face saves the same weights as ``torch_name`` in."""
+    hf = _HF_TORCH.fullmatch(torch_name)
+    if hf is not None:
+        diffusers, rest, _ = hf.groups()
+        return f"{'diffusion_pytorch_model' if diffusers else 'model'}{rest}.safetensors"
+    return os.path.splitext(torch_name)[0] + ".safetensors"
 
 
 _MAX_INDEX_BYTES = 256 << 20
