@@ -40,7 +40,7 @@ from lazyckpt.errors import (
 )
 from lazyckpt.index import CheckpointIndex, FileRegion, LazyRegion
 from lazyckpt.layout import Layout
-from lazyckpt.load_plan import TensorPlan, entry_path, plan_entry
+from lazyckpt.load_plan import TensorPlan, check_copies, entry_path, plan_entry
 from lazyckpt.loader import IndexedCheckpointLoader, read_as_replicas
 from lazyckpt.loaders import detect_loader
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -579,6 +579,7 @@ def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Pro
     for entry in index:
         try:
             plan_entry(entry, dims, Layout(), entry_path(index.path, entry))
+            check_copies(index, (entry,))
         except ModelCheckpointError as exc:
             problems.add(exc)
             bad.add(entry.key)

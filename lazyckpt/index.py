@@ -182,6 +182,10 @@ class CheckpointIndex:
     stamps: dict[Path, FileStamp] = field(default_factory=dict)
     """Each file's :func:`file_stamp` when it was indexed: a load refuses a file that changed
     since (see ``Reader``), whose bytes the index's offsets no longer describe."""
+    differing_copies: dict[str, tuple[Path, str]] = field(default_factory=dict)
+    """Keys read as replicas whose copies the index already knows to differ (their zip
+    records' CRC-32s): key -> (the file to blame, what to say). Refused where a load would
+    compare copies (``verify_replicas``), not by the index, which ``inspect`` shows whole."""
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self.entries.values())
@@ -238,6 +242,18 @@ def stamped(index_of: Callable[[], CheckpointIndex]) -> CheckpointIndex:
             if stamp is not None:
                 index.stamps[f] = stamp
     return index
+
+
+def differing_note(differing: Mapping[str, tuple[Path, str]]) -> str:
+    """The index's note on :attr:`CheckpointIndex.differing_copies`: one line for them all
+    (without shard dims, every split key of a model-parallel set is one)."""
+    keys = list(differing)
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return (
+        f"{len(keys)} key(s) read as replicas have copies whose zip CRC-32s differ "
+        f"({', '.join(repr(k) for k in keys[:4])}{more}): split keys left out of shard_dims, "
+        "or damaged files; a load that compares replicas refuses them"
+    )
 
 
 def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +195,17 @@ def _fail(
     )
 
 
+def check_copies(index: CheckpointIndex, entries: Iterable[TensorEntry]) -> None:
+    """Refuse the first of ``entries`` whose copies the index knows to differ
+    (:attr:`CheckpointIndex.differing_copies`)."""
+    differing = index.differing_copies
+    if differing:
+        for entry in entries:
+            found = differing.get(entry.key)
+            if found is not None:
+                raise CorruptModelCheckpointError(found[0], found[1], key=entry.checkpoint_key)
+
+
 def plan_load(
     index: CheckpointIndex,
     shard_dims: Mapping[str, int],
@@ -208,9 +219,12 @@ def plan_load(
 
     A replicated key (several copies) is read from a file this rank reads anyway for its sharded
     keys, so MP-8 into TP-8 rank 3 opens one file; the other copies in such files are compared
-    when ``verify_replicas`` is on and the tensor is small enough. ``boxes`` gives some keys a
-    box of their own instead of the layout's.
+    when ``verify_replicas`` is on and the tensor is small enough, and a key whose copies the
+    index knows to differ is refused. ``boxes`` gives some keys a box of their own instead of
+    the layout's.
     """
+    if verify_replicas:
+        check_copies(index, index)
     planned = []
     for entry in index:
         own = None if boxes is None else boxes.get(entry.key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import final
 
@@ -100,11 +100,15 @@ class KeyRules:
             dim = self.infer(target, shard_shapes)
         return dim
 
-    def misnamed(self, source_key: str) -> str | None:
+    def misnamed(self, source_key: str, source_keys: Iterable[str]) -> str | None:
         """Why ``shard_dims`` misses ``source_key``, where it names the key as the checkpoint
-        does while ``key_map`` renames it (``shard_dims`` takes the names after ``key_map``);
-        else ``None``."""
-        return misnamed_message(self.shard_dims, source_key, self.target(source_key))
+        does while ``key_map`` renames it (``shard_dims`` takes the names after ``key_map``),
+        and no other of ``source_keys`` (the checkpoint's keys) takes that name; else
+        ``None``. Asked on error paths only."""
+        message = misnamed_message(self.shard_dims, source_key, self.target(source_key))
+        if message is not None and any(self.target(k) == source_key for k in source_keys):
+            return None  # the name is another key's, after key_map
+        return message
 
 
 def misnamed_message(

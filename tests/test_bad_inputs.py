@@ -1383,6 +1383,11 @@ def test_mp_split_key_left_out_of_shard_dims_is_caught_by_crc_past_the_compare_l
             part = {k: torch.chunk(v, 2, 0)[d].clone() for k, v in sd.items()}
             torch.save({"model": part}, fs2 / f"tp_{r:02d}" / f"sdp_{d:02d}.pt")
     for folder in (alike, apart, fs2):
+        # The index holds them, and says so once: inspect lists a set whose shard dims are
+        # yet to be written.
+        index = detect_loader(folder).index(folder, {WO: 1})
+        assert set(index.differing_copies) == {WQ}
+        assert sum("CRC-32s differ" in n and repr(WQ) in n for n in index.notes) == 1
         stats = lazyckpt.LoadStats()
         with pytest.raises(CORRUPT, match=r"differ \(their zip records' CRC-32s differ\); if the key is split") as info:
             load(folder, {WO: 1}, stats=stats, **no_compare)
@@ -1394,6 +1399,20 @@ def test_mp_split_key_left_out_of_shard_dims_is_caught_by_crc_past_the_compare_l
         assert_same({k: got[k] for k in MP_FULL}, MP_FULL)
         got = load(folder, {WO: 1}, verify_replicas=False)
         assert same_bits(got[WQ], torch.chunk(MP_FULL[WQ], 4, 0)[0])
+
+
+def test_a_damaged_replica_under_swapped_names_is_not_blamed_on_shard_dims(tmp_path: Path) -> None:
+    # key_map swaps two keys and shard_dims names the split one by its new name, correctly: a
+    # damaged copy of the other is the files' fault, not "shard_dims names 'b'".
+    full = torch.arange(16.0).reshape(4, 4)
+    norm = torch.ones(4)
+    for r in range(2):
+        n = norm + r  # rank 1's copy differs
+        torch.save({"a": torch.chunk(full, 2, 0)[r].clone(), "b": n}, tmp_path / f"consolidated.0{r}.pth")
+    swap = {"a": "b", "b": "a"}
+    with pytest.raises(CORRUPT, match="should be a replica") as info:
+        load(tmp_path, {"b": 0}, key_map=swap)
+    assert "shard_dims names" not in str(info.value)
 
 
 def test_mp_replicas_stored_alike_in_value_but_not_in_bytes_load(tmp_path: Path) -> None:

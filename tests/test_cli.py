@@ -88,6 +88,30 @@ def test_inspect_fairscale_detects_the_preset(capsys: pytest.CaptureFixture[str]
     assert len(doc["files"]) == 4
 
 
+def test_inspect_lists_a_set_whose_split_keys_are_not_named_yet(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Keys of a model-parallel set of no known preset, taken for replicas, whose copies' CRC-32s
+    differ: ``inspect`` lists every key (what a shard-dims file is written from) and says so
+    once; ``verify`` names each; a load refuses them."""
+    full = {f"blocks.{i}.proj.weight": torch.randn(8, 4) for i in range(3)}
+    folder = tmp_path / "mp"
+    folder.mkdir()
+    for r in range(2):
+        shard = {k: torch.chunk(v, 2, 0)[r].clone() for k, v in full.items()}
+        torch.save({**shard, "norm": torch.ones(4)}, folder / f"consolidated.0{r}.pth")
+    doc = run_json(capsys, "inspect", folder)
+    assert [k["key"] for k in doc["keys"]] == [*full, "norm"]
+    assert sum("CRC-32s differ" in n for n in doc["notes"]) == 1, doc["notes"]
+    rc, out, _ = run(capsys, "verify", folder)
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 1 and len(fails) == 3 and all("add it to shard_dims" in f for f in fails), out
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps(dict.fromkeys(full, 0)))
+    rc, out, _ = run(capsys, "verify", folder, "--shard-dims", dims)
+    assert rc == 0, out
+
+
 def test_inspect_fairscale_shows_params_json(capsys: pytest.CaptureFixture[str], mp4) -> None:
     """``params.json`` is read only when asked for (a load never looks at it), and still shown
     by ``inspect``; one that is not JSON shows as empty and does not stop a load."""

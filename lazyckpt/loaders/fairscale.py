@@ -19,7 +19,7 @@ from typing import final
 
 from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
 from lazyckpt.errors import CheckpointWarning, CorruptModelCheckpointError, warn
-from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry, add_entry
+from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry, add_entry, differing_note
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
@@ -133,10 +133,11 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             self._index_alike(ranks, rules, entries)
         else:
             self._index_each(path, ranks, rules, entries)
-        if options.verify_replicas:
-            _check_replica_crcs(path, ranks, rules, entries)
+        differing = _differing_replicas(path, ranks, rules, entries)
         archives = [archive for _, archive, _ in ranks]
         notes = _left_out(archives)
+        if differing:
+            notes.append(differing_note(differing))
         copied = _copy_note(archives, entries)
         if copied is not None:
             notes.append(copied)
@@ -149,6 +150,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             source_layout=f"MP-{len(files)}",
             notes=notes,
             metadata=_Params(path),
+            differing_copies=differing,
         )
 
     @staticmethod
@@ -209,7 +211,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 _check_split_order(path, key, dim, shapes)
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
-                misnamed = rules.misnamed(key)
+                misnamed = rules.misnamed(key, first)
                 if misnamed is not None:
                     raise ValueError(f"{path}: {misnamed}") from None
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
@@ -218,33 +220,35 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
             add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
 
 
-def _check_replica_crcs(
+def _differing_replicas(
     path: Path,
     ranks: list[tuple[Path, TorchArchive, dict[str, StoredTensor]]],
     rules: KeyRules,
     entries: dict[str, TensorEntry],
-) -> None:
-    """Refuse a replicated key whose copies' zip CRC-32s prove them different (see
-    :func:`differing_copy`): a split key left out of ``shard_dims`` would otherwise come out
-    as rank 0's shard where it is too large to be compared by reading. Free: the CRCs are in
-    the directories already read."""
+) -> dict[str, tuple[Path, str]]:
+    """The replicated keys whose copies' zip CRC-32s prove them different (see
+    :func:`differing_copy`), for :attr:`CheckpointIndex.differing_copies`: a split key left out
+    of ``shard_dims`` would otherwise come out as rank 0's shard where it is too large to be
+    compared by reading. Free: the CRCs are in the directories already read."""
+    found: dict[str, tuple[Path, str]] = {}
     for entry in entries.values():
         if len(entry.copies) < 2:
             continue
         key = entry.checkpoint_key
         odd = differing_copy([(archive, flat[key]) for _, archive, flat in ranks])
-        if odd is not None:
-            misnamed = rules.misnamed(key)
-            if misnamed is not None:
-                raise ValueError(f"{path}: {misnamed}")
-            raise CorruptModelCheckpointError(
-                ranks[odd][0],
-                f"key {entry.display_key} should be a replica but its copies in "
-                f"{ranks[0][0].name} and {ranks[odd][0].name} differ (their zip records' "
-                "CRC-32s differ); if the key is split across model-parallel ranks, add it to "
-                "shard_dims (see lazyckpt.presets), otherwise one of the files is damaged",
-                key=key,
-            )
+        if odd is None:
+            continue
+        misnamed = rules.misnamed(key, ranks[0][2])
+        if misnamed is not None:
+            raise ValueError(f"{path}: {misnamed}")
+        found[entry.key] = (
+            ranks[odd][0],
+            f"key {entry.display_key} should be a replica but its copies in "
+            f"{ranks[0][0].name} and {ranks[odd][0].name} differ (their zip records' "
+            "CRC-32s differ); if the key is split across model-parallel ranks, add it to "
+            "shard_dims (see lazyckpt.presets), otherwise one of the files is damaged",
+        )
+    return found
 
 
 def _check_split_order(

@@ -14,7 +14,7 @@ from typing import final
 
 from lazyckpt.assemble import Cell, assemble_grid
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry
+from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry, differing_note
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
@@ -89,6 +89,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
         owner: dict[str, Path] = {}
         files: list[Path] = []
         notes: list[str] = []
+        differing: dict[str, tuple[Path, str]] = {}
         tp_size = sdp_size = 0
         for stage in stages:
             tp_dirs = _numbered(stage, _TP, True)
@@ -138,7 +139,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     dim = rules.shard_dim(key, [_tp_shape(row) for row in cells])
                     dtype, shape, copies = assemble_grid(cells, dim)
                 except PlanError as exc:
-                    misnamed = rules.misnamed(key)
+                    misnamed = rules.misnamed(key, first)
                     if misnamed is not None:
                         raise ValueError(f"{path}: {misnamed}") from None
                     raise CorruptModelCheckpointError(
@@ -146,9 +147,17 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     ) from None
                 except ValueError as exc:
                     raise ValueError(f"{path}: key {key!r}: {exc}") from None
-                if len(copies) > 1 and options.verify_replicas:
-                    _check_replica_crcs(path, key, grid, grid_files, rules)
-                add_entry(entries, TensorEntry(target, dtype, shape, copies, key))
+                entry = TensorEntry(target, dtype, shape, copies, key)
+                if len(copies) > 1:
+                    copy = _differing_replica(key, grid)
+                    if copy is not None:
+                        misnamed = rules.misnamed(key, first)
+                        if misnamed is not None:
+                            raise ValueError(f"{path}: {misnamed}")
+                        differing[target] = _differing_message(path, entry, grid_files, *copy)
+                add_entry(entries, entry)
+        if differing:
+            notes.append(differing_note(differing))
         return CheckpointIndex(
             path=path,
             format=self.name,
@@ -156,37 +165,37 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
             files=files,
             source_layout=f"PP-{len(stages)} x TP-{tp_size} x SDP-{sdp_size}",
             notes=notes,
+            differing_copies=differing,
         )
 
 
-def _check_replica_crcs(
-    path: Path,
-    key: str,
-    grid: list[list[tuple[TorchArchive, dict[str, StoredTensor]]]],
-    grid_files: list[list[Path]],
-    rules: KeyRules,
-) -> None:
-    """Refuse a replicated key (a copy in every TP row) whose SDP shards in some row, cut as
-    in the first, have zip CRC-32s that prove them different (see :func:`differing_copy`): a
-    split key left out of ``shard_dims``, past the size replicas are compared by reading."""
+def _differing_replica(
+    key: str, grid: list[list[tuple[TorchArchive, dict[str, StoredTensor]]]]
+) -> tuple[int, int] | None:
+    """``(TP row, SDP shard)`` of a replicated key's copy (one in every TP row) whose zip
+    CRC-32s prove it differs from the first row's shard cut alike (see :func:`differing_copy`):
+    a split key left out of ``shard_dims``, past the size replicas are compared by reading;
+    None where none does."""
     first = grid[0]
     for r, row in enumerate(grid[1:], 1):
         if any(a[key].sizes != b[key].sizes for (_, a), (_, b) in zip(first, row)):
             continue  # SDP shards cut otherwise: no shard to compare with its twin
         for s, ((archive0, a), (archive, b)) in enumerate(zip(first, row)):
             if differing_copy([(archive0, a[key]), (archive, b[key])]) is not None:
-                misnamed = rules.misnamed(key)
-                if misnamed is not None:
-                    raise ValueError(f"{path}: {misnamed}")
-                raise CorruptModelCheckpointError(
-                    grid_files[r][s],
-                    f"key {key!r} should be a replica but its copies in "
-                    f"{grid_files[0][s].relative_to(path)} and "
-                    f"{grid_files[r][s].relative_to(path)} differ (their zip records' CRC-32s "
-                    "differ); if the key is split across tensor-parallel ranks, add it to "
-                    "shard_dims, otherwise one of the files is damaged",
-                    key=key,
-                )
+                return r, s
+    return None
+
+
+def _differing_message(
+    path: Path, entry: TensorEntry, grid_files: list[list[Path]], r: int, s: int
+) -> tuple[Path, str]:
+    """:attr:`CheckpointIndex.differing_copies`' entry for copy ``(r, s)`` of ``entry``."""
+    return grid_files[r][s], (
+        f"key {entry.display_key} should be a replica but its copies in "
+        f"{grid_files[0][s].relative_to(path)} and {grid_files[r][s].relative_to(path)} differ "
+        "(their zip records' CRC-32s differ); if the key is split across tensor-parallel "
+        "ranks, add it to shard_dims, otherwise one of the files is damaged"
+    )
 
 
 def _check_grid(
