@@ -684,6 +684,8 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
         (f, offset, length, keys, f"the chunk at byte {offset}: ")
         for (f, offset, length), keys in windows.items()
     ]
+    if not zips:
+        return 0
     checked = 0
     with byte_bar(sum(z[2] for z in zips), "checking CRC-32", enabled=progress) as bar:
         for f, offset, length, keyed, where in zips:
@@ -696,9 +698,12 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
                         f"{f}: {named}: {where}its zip cannot be read to check its CRC-32s "
                         f"({exc}); the file is damaged: copy it again"
                     )
+                    bar.update(length)
                     continue
                 with zf:
-                    checked += _check_records(f, zf, keyed, where, problems, bar)
+                    done = _check_records(f, zf, keyed, where, problems, bar)
+                checked += done
+            bar.update(length - done)  # its headers, directory and records without CRC-32s
     return checked
 
 

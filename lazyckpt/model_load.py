@@ -572,6 +572,9 @@ def _differing_ties(
     fill_all([plan for plan, _ in ties], got, reader, pool=pool)
     if pool is not None:
         pool.synchronize()
+    if reader.stats is not None:  # read only to be compared
+        for plan, _ in ties:
+            reader.stats.add_verified(plan.nbytes)
     return [
         (plan.key, other) for plan, other in ties if not same_bits(got[plan.key], held[plan.key])
     ]

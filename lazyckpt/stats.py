@@ -71,8 +71,9 @@ class LoadStats:
     bytes_delivered: int = 0
     """Bytes of the target boxes, in source dtype."""
     bytes_verified: int = 0
-    """Replica bytes read only to compare copies (fairscale replicas); already counted in
-    ``bytes_read``, which holds every byte read."""
+    """Bytes read only to compare copies (a model-parallel set's replicas; for ``load_into``,
+    a tied key the checkpoint also holds); already counted in ``bytes_read``, which holds
+    every byte read."""
     tensors: int = 0
     """Tensors yielded so far."""
     views: int = 0

@@ -1362,3 +1362,43 @@ def test_verify_read_checks_the_crc_of_every_dcp_chunk(
     rc, out, err = run(capsys, "verify", tmp_path / "dcp", "--read")
     assert rc == 1 and "unexpected" not in err, err
     assert any("key 'b'" in line for line in out.splitlines() if line.startswith("FAIL")), out
+
+
+def test_progress_bars_reach_their_totals(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, mp4, tmp_path: Path
+) -> None:
+    """Every bar a command or a load shows ends at its total: verify --read's CRC-32 bar
+    counted only the records' payloads against whole files (90-98%), and showed an empty bar
+    for safetensors files, which have no zip."""
+    from tqdm.auto import tqdm
+
+    import lazyckpt.cli
+    import lazyckpt.stats
+
+    ended: list[tuple[str, float, float]] = []
+
+    class Recorded(tqdm):  # type: ignore[misc]
+        def close(self) -> None:
+            if not self.disable and self.total is not None:
+                ended.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(lazyckpt.stats, "tqdm", Recorded)
+    monkeypatch.setattr(lazyckpt.cli, "_progress_enabled", lambda: True)
+    folder, full, dims = mp4
+    torch.save(full, tmp_path / "whole.pt")
+    save_file({k: v.contiguous() for k, v in full.items()}, tmp_path / "whole.safetensors")
+    for path in (folder, tmp_path / "whole.pt", tmp_path / "whole.safetensors"):
+        ended.clear()
+        rc, out, _ = run(capsys, "verify", path, "--read")
+        assert rc == 0, out
+        descs = [d for d, _, _ in ended]
+        assert "loading" in descs and (
+            ("checking CRC-32" in descs) == (path.suffix != ".safetensors")
+        ), (path, ended)
+        assert all(n == total for _, n, total in ended), (path, ended)
+    ended.clear()
+    opts = lazyckpt.ModelCheckpointLoadOptions(progress=True)
+    for _ in lazyckpt.get_model_checkpoint_loader().lazy_load(folder, dims, opts):
+        pass
+    assert [d for d, _, _ in ended] == ["loading"] and ended[0][1] == ended[0][2], ended
