@@ -179,16 +179,34 @@ def _as_sizes(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rebuild_tensor(
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> Any:
+    """``torch._utils._rebuild_tensor`` (torch's own signature, no argument more or fewer: a
+    damaged pickle that shifted its opcodes is refused, not read as other keys)."""
+    return _stored(storage, storage_offset, size, stride, None)
+
+
+def _rebuild_tensor_v2(
     storage: Any,
     storage_offset: Any,
     size: Any,
     stride: Any,
-    requires_grad: Any = False,
-    hooks: Any = None,
+    requires_grad: Any,
+    hooks: Any,
     metadata: Any = None,
-    *_: Any,
 ) -> Any:
+    _check_grad_and_hooks(requires_grad, hooks)
+    return _stored(storage, storage_offset, size, stride, metadata)
+
+
+def _check_grad_and_hooks(requires_grad: Any, hooks: Any) -> None:
+    """What torch writes for them: a bool, and its (empty) ``OrderedDict`` of hooks."""
+    if type(requires_grad) is not bool:
+        raise _PickleError(f"tensor requires_grad {requires_grad!r:.80} is not a bool")
+    if hooks is not None and not isinstance(hooks, Mapping):
+        raise _PickleError(f"tensor backward hooks {hooks!r:.80} are not a dict")
+
+
+def _stored(storage: Any, storage_offset: Any, size: Any, stride: Any, metadata: Any) -> Any:
     if metadata and isinstance(metadata, dict) and (metadata.get("conj") or metadata.get("neg")):
         # torch.save keeps a conjugate or negative view's bit here and its raw storage:
         # torch.load sets the bit again, and the values are the conjugate (or negation) of
@@ -220,10 +238,10 @@ def _rebuild_tensor_v3(
     hooks: Any,
     dtype: Any,
     metadata: Any = None,
-    *_: Any,
 ) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise _PickleError(f"tensor dtype {dtype!r} is not a torch.dtype")
+    _check_grad_and_hooks(requires_grad, hooks)
     if isinstance(storage, _StorageRef):
         # torch writes v3 for dtypes without a typed storage class (uint16/32/64, complex32):
         # the storage is an UntypedStorage whose numel counts bytes.
@@ -233,10 +251,16 @@ def _rebuild_tensor_v3(
                 f"storage {storage.key} of {nbytes} bytes is not a whole number of {dtype} elements"
             )
         storage = _StorageRef(storage.key, dtype, nbytes // dtype.itemsize)
-    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad, hooks, metadata)
+    return _stored(storage, storage_offset, size, stride, metadata)
 
 
-def _rebuild_parameter(data: Any, *_: Any) -> Any:
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Any:
+    _check_grad_and_hooks(requires_grad, hooks)
+    return data
+
+
+def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, state: Any) -> Any:
+    _check_grad_and_hooks(requires_grad, hooks)
     return data
 
 
@@ -258,10 +282,10 @@ def _unsupported(what: str) -> Callable[..., Unsupported]:
 
 _TORCH_UTILS: dict[str, Any] = {
     "_rebuild_tensor": _rebuild_tensor,
-    "_rebuild_tensor_v2": _rebuild_tensor,
+    "_rebuild_tensor_v2": _rebuild_tensor_v2,
     "_rebuild_tensor_v3": _rebuild_tensor_v3,
     "_rebuild_parameter": _rebuild_parameter,
-    "_rebuild_parameter_with_state": _rebuild_parameter,
+    "_rebuild_parameter_with_state": _rebuild_parameter_with_state,
     "_rebuild_sparse_tensor": _unsupported("a sparse tensor"),
     "_rebuild_sparse_csr_tensor": _unsupported("a sparse tensor"),
     "_rebuild_qtensor": _unsupported("a quantized tensor"),
@@ -373,6 +397,8 @@ class _IndexUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self._restrict = restrict
         self.forbidden: list[str] = []
+        self.storages: dict[str, _StorageRef | Unsupported] = {}
+        """Every storage the pickle refers to, by record key."""
 
     def find_class(self, module: str, name: str) -> Any:
         found = restricted_find_class(module, name)
@@ -390,9 +416,25 @@ class _IndexUnpickler(pickle.Unpickler):
             raise _PickleError(f"storage type {storage_type!r} is not a torch storage class")
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
             raise _PickleError(f"storage record {pid!r:.80} is malformed")
-        if storage_type.dtype is None:
-            return Unsupported("a quantized tensor")
-        return _StorageRef(key, storage_type.dtype, numel)
+        ref: _StorageRef | Unsupported = (
+            Unsupported("a quantized tensor")
+            if storage_type.dtype is None
+            else _StorageRef(key, storage_type.dtype, numel)
+        )
+        seen = self.storages.setdefault(key, ref)
+        # torch.save refuses to save one storage as two types ("Cannot save multiple tensors
+        # or storages that view the same data as different types"): read as the second, the
+        # bytes would give other values than torch.load's.
+        if seen is not ref and _declared(seen) != _declared(ref):
+            raise _PickleError(
+                f"storage record data/{key} is declared twice, as {_declared(seen)} and as "
+                f"{_declared(ref)}; torch.save never writes that"
+            )
+        return seen
+
+
+def _declared(ref: _StorageRef | Unsupported) -> str:
+    return ref.what if isinstance(ref, Unsupported) else f"{ref.numel} x {ref.dtype}"
 
 
 # -- the zip ---------------------------------------------------------------------------------
@@ -526,7 +568,7 @@ class TorchArchive:
         return CorruptModelCheckpointError(self.path, f"key {key!r}: {message}", key=key)
 
 
-PickleMemo = dict[tuple[bytes, bool], tuple[Any, list[str]]]
+PickleMemo = dict[tuple[bytes, bool], tuple[Any, list[str], frozenset[str]]]
 """``data.pkl`` bytes (and ``restrict``) -> what unpickling them gave. The rank files of a
 model-parallel checkpoint usually hold the same ``data.pkl`` byte for byte (same keys, shapes and
 storage names), so a set is unpickled once."""
@@ -757,7 +799,16 @@ def _read_archive(
         known = _unpickle(path, data, restrict)
         if memo is not None:
             memo[(data, restrict)] = known
-    obj, forbidden = known
+    obj, forbidden, referenced = known
+    if len(referenced) != len(storages) or not referenced.issuperset(storages):
+        stray = sorted(set(storages) - referenced)
+        if stray:  # torch.save writes a record for each storage it pickles, and no other
+            raise CorruptModelCheckpointError(
+                path,
+                f"holds storage record data/{stray[0]} that data.pkl never refers to: the "
+                "pickle is damaged (its tensors would be lost without a word); copy the file "
+                "again",
+            )
     if shapes is not None and payloads:
         same = shapes.setdefault((span.length, restrict), [])
         full = len(same) >= _SHAPES_PER_LENGTH
@@ -812,7 +863,7 @@ def _recognise(fd: int, start: int, known: Sequence[_Known]) -> tuple[_Known, by
     return None
 
 
-def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str]]:
+def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str], frozenset[str]]:
     unpickler = _IndexUnpickler(data, restrict=restrict)
     try:
         obj = unpickler.load()
@@ -824,10 +875,14 @@ def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str]]:
         raise CorruptModelCheckpointError(
             path, f"data.pkl cannot be unpickled ({type(exc).__name__}: {exc})"
         ) from None
-    return obj, unpickler.forbidden
+    return obj, unpickler.forbidden, frozenset(unpickler.storages)
 
 
 # -- state dicts -----------------------------------------------------------------------------
+
+
+_MAX_NESTING = 200
+"""Dicts inside dicts a state dict may nest (a model's deepest module path is a few dozen)."""
 
 
 def flatten_state_dict(
@@ -858,7 +913,7 @@ def flatten_state_dict(
         )
     obj, _ = _unwrap(obj)
     out: dict[str, StoredTensor] = {}
-    _flatten(obj, "", out, path, keep)
+    _flatten(obj, "", out, path, keep, set())
     return out
 
 
@@ -879,7 +934,20 @@ def _flatten(
     out: dict[str, StoredTensor],
     path: Path,
     keep: Callable[[str], bool] | None,
+    inside: set[int],
 ) -> None:
+    """``inside``: the ids of the dicts ``obj`` lies in, itself included once entered (a
+    pickle can make a dict hold itself, which torch.load takes; flattened, it never ends)."""
+    if id(obj) in inside:
+        key = prefix.removesuffix(".")
+        raise CorruptModelCheckpointError(
+            path, f"key {key!r} holds a dict that holds it: no state dict does", key=key
+        )
+    if len(inside) >= _MAX_NESTING:
+        raise CorruptModelCheckpointError(
+            path, f"key {prefix[:200]!r}... nests dicts more than {_MAX_NESTING} deep"
+        )
+    inside.add(id(obj))
     for k, v in obj.items():
         if isinstance(k, int) and not isinstance(k, bool):
             k = str(k)  # optimizer state: {param index: {...}}; a clash is caught below
@@ -899,7 +967,7 @@ def _flatten(
                 )
             out[key] = v
         elif isinstance(v, Mapping):
-            _flatten(v, key + ".", out, path, keep)
+            _flatten(v, key + ".", out, path, keep, inside)  # a dict under two keys is fine
         elif keep is not None and not keep(key):
             continue  # not a tensor, but dropped by the caller's key_map
         elif isinstance(v, Unsupported):
@@ -915,3 +983,4 @@ def _flatten(
                 "beside it",
                 key=key,
             )
+    inside.discard(id(obj))

@@ -1024,6 +1024,39 @@ def test_torch_view_past_its_storage(tmp_path: Path, old: bytes, new: bytes) -> 
         fails(tmp_path / "bad_view.pt", CORRUPT, ("bad_view.pt", "view_key"), mmap=mmap)
 
 
+def test_torch_pickle_edits_torch_save_never_writes(tmp_path: Path) -> None:
+    """One changed byte of a data.pkl whose CRC-32 was made right again (a crafted or badly
+    repaired file): each case below is refused, naming the file, where lazyckpt read other
+    values than torch.load gives (one record as two dtypes), lost keys without a word
+    (arguments shifted, records no tensor refers to), or failed with a RecursionError (a dict
+    that holds itself)."""
+    torch.save(
+        {"h": torch.arange(6, dtype=torch.float16), "bf": torch.arange(6, dtype=torch.bfloat16)},
+        tmp_path / "two.pt",
+    )
+    torch.save({"a": torch.arange(4.0), "b": torch.ones(4)}, tmp_path / "ab.pt")
+    torch.save({"a": torch.arange(4.0), "b": {}}, tmp_path / "nested.pt")
+    key0, key1 = b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x001"
+    cases = [
+        # bf's storage key made h's: one 12-byte record, as float16 and as bfloat16.
+        ("two.pt", key1, key0, 1, "declared twice, as 6 x torch.float16 and as 6 x torch.bfloat16"),
+        # b's made a's (one dtype, one size): torch.load gives b a's values; data/1 is orphaned.
+        ("ab.pt", key1, key0, 1, "data/1 that data.pkl never refers to"),
+        # requires_grad an int, not NEWFALSE.
+        ("ab.pt", b"\x89c", b"K\x02c", 1, "requires_grad 2 is not a bool"),
+        # One argument more than _rebuild_tensor_v2 takes.
+        ("ab.pt", b")Rq\x0bt", b")Rq\x0bK\x00K\x00t", 1, "cannot be unpickled (TypeError"),
+        # b's value the top-level dict (BINGET 0).
+        ("nested.pt", b"}q\x0fu.", b"h\x00u.", 1, "key 'b' holds a dict that holds it"),
+    ]
+    for i, (name, old, new, count, said) in enumerate(cases):
+        bad = tmp_path / f"edited{i}.pt"
+        _replace_in_pickle(tmp_path / name, bad, old, new, count=count)
+        for mmap in (True, False):
+            outcome = fails(bad, CORRUPT, (bad.name,), mmap=mmap)
+            assert said in outcome["message"], (i, outcome["message"])
+
+
 @pytest.mark.parametrize(
     "stride", [2**62, 2**63 - 1, 2**63, 2**70], ids=["2**62", "2**63-1", "2**63", "2**70"]
 )

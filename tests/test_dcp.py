@@ -506,3 +506,41 @@ def test_a_chunk_lazyckpt_cannot_load_says_what_it_holds(tmp_path: Path) -> None
     message = str(got.value)
     assert got.value.key == "q" and "Unsupported" not in message, message
     assert "which lazyckpt cannot load" in message and "dense tensor" in message, message
+
+
+def test_metadata_whose_record_holds_itself_is_refused(tmp_path: Path) -> None:
+    # One byte of .metadata (no CRC guards it) makes a MetadataIndex's fqn the MetadataIndex
+    # itself: a RecursionError escaped from the message that names the key.
+    import pickletools
+    import shutil
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says so
+        dcp.save({"m": torch.randn(6, 4), "ids": torch.arange(10)}, checkpoint_id=tmp_path / "ok")
+    raw = (tmp_path / "ok" / ".metadata").read_bytes()
+    ops = list(pickletools.genops(raw))
+    slots, memo = [], 0  # the memo slot each MEMOIZE fills
+    for op, _, _ in ops:
+        slots.append(memo if op.name == "MEMOIZE" else None)
+        memo += op.name == "MEMOIZE"
+    cls = next(
+        slots[i + 3]
+        for i, (op, arg, _) in enumerate(ops)
+        if arg == "MetadataIndex" and ops[i + 2][0].name == "STACK_GLOBAL"
+    )
+    edit = None
+    for i, (op, arg, _) in enumerate(ops):  # BINGET cls, (), NEWOBJ, MEMOIZE, {}, ..., fqn
+        if op.name == "BINGET" and arg == cls and ops[i + 2][0].name == "NEWOBJ":
+            own, (value, _, at) = slots[i + 3], ops[i + 8]
+            if value.name == "BINGET" and own is not None and own < 256:
+                edit = (at + 1, own)
+                break
+    assert edit is not None
+    bad = bytearray(raw)
+    bad[edit[0]] = edit[1]
+    shutil.copytree(tmp_path / "ok", tmp_path / "bad")
+    (tmp_path / "bad" / ".metadata").write_bytes(bytes(bad))
+    for mmap in (True, False):
+        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"\.metadata"):
+            load_all(tmp_path / "bad", mmap=mmap)

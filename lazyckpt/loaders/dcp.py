@@ -17,6 +17,7 @@ import os
 import pathlib
 import pickle
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, final
 
@@ -68,7 +69,8 @@ class _Record:
             raise AttributeError(name)
         return None
 
-    def __repr__(self) -> str:
+    @reprlib.recursive_repr()
+    def __repr__(self) -> str:  # a damaged pickle can make a record hold itself
         fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
         return f"{type(self).__name__[1:]}({fields})"
 
@@ -214,6 +216,12 @@ def read_dcp_metadata(path: Path, *, restrict: bool = True) -> Any:
     return meta
 
 
+def _fqn(index: Any) -> str:
+    """A storage index's key, for a message (``repr`` of what a damaged pickle put there)."""
+    fqn = getattr(index, "fqn", None)
+    return fqn if isinstance(fqn, str) else reprlib.repr(index)
+
+
 def _check_disjoint(meta_path: Path, folder: Path, storage: dict[Any, Any]) -> None:
     """Every storage entry has its own bytes: two entries of one file whose windows overlap
     would read one chunk as another (of the same shape and dtype, nothing else would tell)."""
@@ -222,9 +230,7 @@ def _check_disjoint(meta_path: Path, folder: Path, storage: dict[Any, Any]) -> N
         rel = getattr(info, "relative_path", None)
         span = _ints((getattr(info, "offset", None), getattr(info, "length", None)))
         if isinstance(rel, str) and span is not None and span[1] > 0:
-            by_file.setdefault(rel, []).append(
-                (span[0], span[0] + span[1], str(getattr(k, "fqn", k)))
-            )
+            by_file.setdefault(rel, []).append((span[0], span[0] + span[1], _fqn(k)))
     for rel, windows in by_file.items():
         windows.sort()
         for (a0, a1, a), (b0, b1, b) in itertools.pairwise(windows):
