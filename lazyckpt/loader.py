@@ -314,8 +314,8 @@ def _stream(
     # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
     # bound as the prefetcher's memory: the largest tensor plus the budget.
     largest = max(sizes, default=0)
+    span = stats.begin()
     with (
-        stats.running(),
         Reader(
             use_mmap=options.mmap,
             stats=stats,
@@ -430,7 +430,7 @@ def _stream(
         with contextlib.closing(items):
             for i, tensor, viewed in items:
                 plan = plans[i]
-                stats.add_delivered(source_bytes[i], view=viewed)
+                stats.add_delivered(source_bytes[i], view=viewed, span=span)
                 if update is not None:
                     update(source_bytes[i])
                 out = tensor if deliver is None else deliver(plan, tensor)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -78,16 +76,9 @@ class LoadStats:
     """Tensors yielded so far."""
     views: int = 0
     """Of those, how many were zero-copy views of the mapped file."""
-    seconds: float = 0.0
-    """Wall time from a load's start to its last tensor, summed over the loads given this
-    object; loads that run at once (threads) count the time they share once, and the time
-    between two loads one after the other is not counted."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    _started: float | None = field(default=None, repr=False, compare=False)
-    """When the loads running now started (the first of them)."""
-    _before: float = field(default=0.0, repr=False, compare=False)
-    """:attr:`seconds` before the loads running now."""
-    _running: int = field(default=0, repr=False, compare=False)
+    _spans: list[list[float]] = field(default_factory=list, repr=False, compare=False)
+    """Each load's ``[start, last tensor]`` (``perf_counter``): :attr:`seconds` is their union."""
 
     def __post_init__(self) -> None:
         forks.renew_lock_in_child(self)
@@ -100,29 +91,40 @@ class LoadStats:
         with self._lock:
             self.bytes_verified += nbytes
 
-    def add_delivered(self, nbytes: int, *, view: bool) -> None:
+    def add_delivered(self, nbytes: int, *, view: bool, span: list[float] | None = None) -> None:
+        """A tensor delivered by the load whose :meth:`begin` gave ``span`` (else the last
+        begun)."""
         with self._lock:
             self.bytes_delivered += nbytes
             self.tensors += 1
             self.views += int(view)
-            if self._started is not None:
-                self.seconds = self._before + time.perf_counter() - self._started
+            if span is None and self._spans:
+                span = self._spans[-1]
+            if span is not None:
+                span[1] = time.perf_counter()
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """A load runs: its time adds to that of the loads before it, or counts with that of
-        the loads it overlaps from the first one's start (one clock for them all: a second
-        load's start does not reset the first's)."""
+    def begin(self) -> list[float]:
+        """A load starts: its time runs from now to its last tensor (a token to pass to
+        :meth:`add_delivered`)."""
+        now = time.perf_counter()
+        span = [now, now]
         with self._lock:
-            if self._running == 0:
-                self._before = self.seconds
-                self._started = time.perf_counter()
-            self._running += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running -= 1
+            self._spans.append(span)
+        return span
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from a load's start to its last tensor, summed over the loads given this
+        object: loads that run at once (threads) count the time they share once, and neither
+        the time between two loads nor a load left unfinished after its last tensor counts."""
+        with self._lock:
+            spans = sorted((a, b) for a, b in self._spans if b > a)
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
     @property
     def total_bytes_read(self) -> int:

@@ -373,6 +373,18 @@ def test_a_stats_object_given_to_loads_that_overlap_counts_their_common_time_onc
     assert len(list(outer)) == 1
     assert 0.3 <= stats.seconds <= time.perf_counter() - began
     assert stats.tensors == 4
+    # A stream left suspended after its last tensor (kept in a notebook) adds nothing: a load
+    # a second later counts its own time, not the second.
+    idle = lazyckpt.LoadStats()
+    opts = lazyckpt.ModelCheckpointLoadOptions(stats=idle)
+    kept = loader.lazy_load(tmp_path / "m.safetensors", {}, opts)
+    next(kept)
+    first = idle.seconds
+    time.sleep(1.0)
+    began = time.perf_counter()
+    assert len(list(loader.lazy_load(tmp_path / "m.safetensors", {}, opts))) == 2
+    assert idle.seconds <= first + (time.perf_counter() - began)
+    kept.close()
 
 
 _CAST_PEAK = """
