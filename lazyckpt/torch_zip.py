@@ -423,14 +423,14 @@ class _IndexUnpickler(pickle.Unpickler):
         )
         seen = self.storages.setdefault(key, ref)
         # torch.save refuses to save one storage as two types ("Cannot save multiple tensors
-        # or storages that view the same data as different types"): read as the second, the
-        # bytes would give other values than torch.load's.
-        if seen is not ref and _declared(seen) != _declared(ref):
+        # or storages that view the same data as different types"; an empty one excepted):
+        # read as the second, the bytes would give other values than torch.load's.
+        if seen is not ref and _declared(seen) != _declared(ref) and numel:
             raise _PickleError(
                 f"storage record data/{key} is declared twice, as {_declared(seen)} and as "
                 f"{_declared(ref)}; torch.save never writes that"
             )
-        return seen
+        return ref
 
 
 def _declared(ref: _StorageRef | Unsupported) -> str:

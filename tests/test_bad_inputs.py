@@ -1049,6 +1049,12 @@ def test_torch_pickle_edits_torch_save_never_writes(tmp_path: Path) -> None:
         # b's value the top-level dict (BINGET 0).
         ("nested.pt", b"}q\x0fu.", b"h\x00u.", 1, "key 'b' holds a dict that holds it"),
     ]
+    # What torch.save does write: an empty tensor and a view of it as another dtype (it skips
+    # its own check for a storage with no data).
+    empty = torch.empty(0, 4)
+    torch.save({"e": empty, "e32": empty.view(torch.int32)}, tmp_path / "empty.pt")
+    got = load(tmp_path / "empty.pt")
+    assert (got["e"].dtype, got["e32"].dtype, got["e32"].shape) == (torch.float32, torch.int32, (0, 4))
     for i, (name, old, new, count, said) in enumerate(cases):
         bad = tmp_path / f"edited{i}.pt"
         _replace_in_pickle(tmp_path / name, bad, old, new, count=count)
