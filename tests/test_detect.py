@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_workers import check_layout_helpers, spawn
+from helpers import same_bits
 from safetensors.torch import save_file
 
 import lazyckpt
@@ -96,6 +97,23 @@ def test_safetensors_win_over_the_torch_files_hugging_face_ships_beside_them(
     torch.save({"w": good}, folder / "diffusion_pytorch_model.bin")
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="both safetensors"):
         detect_loader(folder)
+    # Variants beside the default file, in either format, as a Stable Diffusion unet/ ships
+    # them: the default safetensors file is the checkpoint, the variants are noted.
+    for family, torch_family in (
+        ("model", "pytorch_model"),
+        ("diffusion_pytorch_model", "diffusion_pytorch_model"),
+    ):
+        folder = tmp_path / f"variants-{family}"
+        folder.mkdir()
+        save_file({"w": good}, folder / f"{family}.safetensors")
+        save_file({"w": good.half()}, folder / f"{family}.fp16.safetensors")
+        for variant in ("", ".fp16", ".non_ema"):
+            torch.save({"w": good + 2}, folder / f"{torch_family}{variant}.bin")
+        loader = detect_loader(folder)
+        assert loader.name == "safetensors", family
+        assert same_bits(dict(loader.lazy_load(folder, {}))["w"], good), family
+        notes = loader.index(folder).notes
+        assert any(f"{family}.fp16.safetensors: a variant" in n for n in notes), notes
     # A torch index of another name, or torch files of other names, are no such twins.
     folder = tmp_path / "other-index"
     folder.mkdir()

@@ -23,16 +23,22 @@ _HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
 """The names of the torch files Hugging Face saves beside ``model*.safetensors`` (diffusers:
 ``diffusion_pytorch_model*`` beside ``diffusion_pytorch_model*.safetensors``), and their index;
 the rest of the name (shard numbers, a variant such as ``.fp16``) is the same in both formats."""
+_SHARDS = re.compile(r"(-\d+-of-\d+)?")
+_HF_VARIANT = re.compile(r"(model|diffusion_pytorch_model)\.[^.]+?(-\d+-of-\d+)?\.safetensors")
+"""A variant of a Hugging Face weights file (``model.fp16.safetensors``, diffusers'
+``diffusion_pytorch_model.non_ema.safetensors``): loaded only where asked for by name."""
 
 
 def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
     """Whether every one of ``torch_names`` (torch files and indexes) repeats weights that
-    ``safetensors_names`` hold, by the names Hugging Face gives the two formats: where a torch
-    index is among them, its single-file counterpart (``pytorch_model.bin.index.json`` beside
-    ``model.safetensors``: transformers loads that one) and Hugging Face's names for the rest;
-    else each file's counterpart (``pytorch_model-00001-of-00002.bin`` beside
-    ``model-00001-of-00002.safetensors``, ``model.bin`` beside ``model.safetensors``), variant
-    included (``diffusion_pytorch_model.bin`` is not ``diffusion_pytorch_model.fp16.safetensors``)."""
+    ``safetensors_names`` hold, as transformers and diffusers decide without a variant asked
+    for: where a torch index is among them, its single-file counterpart is there
+    (``model.safetensors`` for ``pytorch_model.bin.index.json``) and the rest bear Hugging
+    Face's names; else each file's counterpart is there (``model-00001-of-00002.safetensors``
+    for ``pytorch_model-00001-of-00002.bin``, ``model.safetensors`` for ``model.bin``), a
+    variant's (``pytorch_model.fp16.bin``) being its family's default file. A variant is no
+    counterpart: ``diffusion_pytorch_model.fp16.safetensors`` is not the weights of
+    ``diffusion_pytorch_model.bin``."""
     have = set(safetensors_names)
     indexes = [n for n in torch_names if n.endswith(".index.json")]
     if indexes:
@@ -43,12 +49,26 @@ def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) ->
 
 
 def _counterpart(torch_name: str) -> str:
-    """The safetensors file Hugging Face saves the same weights as ``torch_name`` in."""
+    """The safetensors file Hugging Face saves the same weights as ``torch_name`` in, or, for
+    a variant, the file loaded where no variant is asked for."""
     hf = _HF_TORCH.fullmatch(torch_name)
-    if hf is not None:
-        diffusers, rest, _ = hf.groups()
-        return f"{'diffusion_pytorch_model' if diffusers else 'model'}{rest}.safetensors"
-    return os.path.splitext(torch_name)[0] + ".safetensors"
+    if hf is None:
+        return os.path.splitext(torch_name)[0] + ".safetensors"
+    diffusers, rest, _ = hf.groups()
+    family = "diffusion_pytorch_model" if diffusers else "model"
+    return f"{family}{rest if _SHARDS.fullmatch(rest) else ''}.safetensors"
+
+
+def hf_variants(names: Sequence[str]) -> list[str]:
+    """Of a folder's ``*.safetensors`` ``names``, the Hugging Face variants whose family's
+    default file is there too (``model.fp16.safetensors`` beside ``model.safetensors``, as a
+    Stable Diffusion ``unet/`` ships them): not part of the checkpoint the folder stands for."""
+    have = set(names)
+    return [
+        n
+        for n in names
+        if (m := _HF_VARIANT.fullmatch(n)) is not None and f"{m.group(1)}.safetensors" in have
+    ]
 
 
 _MAX_INDEX_BYTES = 256 << 20

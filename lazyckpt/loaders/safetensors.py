@@ -32,6 +32,7 @@ from lazyckpt.loaders._files import (
     build_file_set_index,
     find_index_file,
     folder_file_set,
+    hf_variants,
     read_hf_index,
 )
 from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as TORCH_INDEX_SUFFIXES
@@ -382,6 +383,17 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
         if index is not None:
             return read_hf_index(index, (SUFFIX,))
         file_set = folder_file_set(path, (SUFFIX,))
+        variants = set(hf_variants([f.name for f in file_set.files]))
+        if variants:
+            file_set.files = [f for f in file_set.files if f.name not in variants]
+            file_set.notes = [
+                *(file_set.notes or []),
+                *(
+                    f"ignored {n}: a variant of the default weights beside it, loaded only "
+                    "where asked for (as Hugging Face does): pass the file to load it"
+                    for n in sorted(variants)
+                ),
+            ]
         twins = [
             n
             for n in sorted(os.listdir(path))
