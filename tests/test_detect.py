@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,26 @@ def test_safetensors_win_over_the_torch_files_hugging_face_ships_beside_them(
         assert same_bits(dict(loader.lazy_load(folder, {}))["w"], good), family
         notes = loader.index(folder).notes
         assert any(f"{family}.fp16.safetensors: a variant" in n for n in notes), notes
+    # A sharded variant with its own index beside the default file: the default is loaded.
+    folder = tmp_path / "variant-index"
+    folder.mkdir()
+    save_file({"w": good, "v": good.clone()}, folder / "diffusion_pytorch_model.safetensors")
+    names = [f"diffusion_pytorch_model.fp16-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    save_file({"w": good.half()}, folder / names[0])
+    save_file({"v": good.half()}, folder / names[1])
+    (folder / "diffusion_pytorch_model.fp16.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": names[0], "v": names[1]}})
+    )
+    loader = detect_loader(folder)
+    got = dict(loader.lazy_load(folder, {}))
+    assert got["w"].dtype == torch.float32 and same_bits(got["v"], good)
+    assert any("fp16.safetensors.index.json: the index of a variant" in n for n in loader.index(folder).notes)
+    # A file named like a variant that holds other keys is another part: loaded with the rest.
+    folder = tmp_path / "two-parts"
+    folder.mkdir()
+    save_file({"language_model.w": good}, folder / "model.safetensors")
+    save_file({"vision_tower.w": good}, folder / "model.vision.safetensors")
+    assert set(dict(detect_loader(folder).lazy_load(folder, {}))) == {"language_model.w", "vision_tower.w"}
     # A torch index of another name, or torch files of other names, are no such twins.
     folder = tmp_path / "other-index"
     folder.mkdir()

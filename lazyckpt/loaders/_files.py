@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +24,10 @@ _HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
 ``diffusion_pytorch_model*`` beside ``diffusion_pytorch_model*.safetensors``), and their index;
 the rest of the name (shard numbers, a variant such as ``.fp16``) is the same in both formats."""
 _SHARDS = re.compile(r"(-\d+-of-\d+)?")
-_HF_VARIANT = re.compile(r"(model|diffusion_pytorch_model)\.[^.]+?(-\d+-of-\d+)?\.safetensors")
+_HF_VARIANT = re.compile(r"(model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.safetensors")
 """A variant of a Hugging Face weights file (``model.fp16.safetensors``, diffusers'
 ``diffusion_pytorch_model.non_ema.safetensors``): loaded only where asked for by name."""
+_HF_VARIANT_INDEX = re.compile(r"(model|diffusion_pytorch_model)\.[^.]+\.safetensors\.index\.json")
 
 
 def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
@@ -59,16 +60,35 @@ def _counterpart(torch_name: str) -> str:
     return f"{family}{rest if _SHARDS.fullmatch(rest) else ''}.safetensors"
 
 
-def hf_variants(names: Sequence[str]) -> list[str]:
+def hf_variants(names: Sequence[str]) -> dict[tuple[str, str], list[str]]:
     """Of a folder's ``*.safetensors`` ``names``, the Hugging Face variants whose family's
     default file is there too (``model.fp16.safetensors`` beside ``model.safetensors``, as a
-    Stable Diffusion ``unet/`` ships them): not part of the checkpoint the folder stands for."""
+    Stable Diffusion ``unet/`` ships them): ``(default, variant) -> its files`` (one, or its
+    shards). Variants by name, which the caller confirms by their keys
+    (``model.vision.safetensors`` may be another part of the model)."""
     have = set(names)
-    return [
-        n
-        for n in names
-        if (m := _HF_VARIANT.fullmatch(n)) is not None and f"{m.group(1)}.safetensors" in have
-    ]
+    found: dict[tuple[str, str], list[str]] = {}
+    for n in names:
+        m = _HF_VARIANT.fullmatch(n)
+        if m is not None and f"{m.group(1)}.safetensors" in have:
+            found.setdefault((f"{m.group(1)}.safetensors", m.group(2)), []).append(n)
+    return found
+
+
+def hf_variant_indexes(folder: Path, names: Sequence[str]) -> set[str]:
+    """Of a folder's ``names``, the index files of Hugging Face variants
+    (``diffusion_pytorch_model.fp16.safetensors.index.json``) where their family's default
+    (``diffusion_pytorch_model.safetensors`` or its index) is there too: the default is the
+    checkpoint, as Hugging Face loads it where no variant is asked for."""
+    have = set(names)
+    out = set()
+    for n in names:
+        m = _HF_VARIANT_INDEX.fullmatch(n)
+        if m is not None and (
+            f"{m.group(1)}.safetensors" in have or f"{m.group(1)}.safetensors.index.json" in have
+        ):
+            out.add(n)
+    return out
 
 
 _MAX_INDEX_BYTES = 256 << 20
@@ -96,15 +116,22 @@ class FileSet:
     metadata: dict[str, str] | None = None
 
 
-def find_index_file(folder: Path, suffix: str, preferred: str) -> Path | None:
-    """The folder's index file ending in ``suffix`` (``preferred`` wins among several)."""
-    found = names_ending(folder, suffix)
+def find_index_file(
+    folder: Path,
+    suffix: str,
+    preferred: str | tuple[str, ...],
+    variants: Collection[str] = (),
+) -> Path | None:
+    """The folder's index file ending in ``suffix`` (``preferred`` wins among several; the
+    ``variants``' indexes are left out, and with them nothing else is taken)."""
+    found = [n for n in names_ending(folder, suffix) if n not in variants]
     if not found:
         return None
     if len(found) == 1:
         return folder / found[0]
-    if preferred in found:
-        return folder / preferred
+    for name in (preferred,) if isinstance(preferred, str) else preferred:
+        if name in found:
+            return folder / name
     raise CorruptModelCheckpointError(
         folder,
         f"has {len(found)} index files ({', '.join(sorted(found))}); pass the index file you mean",

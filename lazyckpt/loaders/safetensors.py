@@ -32,6 +32,7 @@ from lazyckpt.loaders._files import (
     build_file_set_index,
     find_index_file,
     folder_file_set,
+    hf_variant_indexes,
     hf_variants,
     read_hf_index,
 )
@@ -199,6 +200,12 @@ def _holds_pieces(path: Path, meta: dict[str, str]) -> bool:
         if isinstance(offsets, list) and any(o != 0 for o in offsets):
             return True
     return False
+
+
+def _keys(path: Path) -> set[str]:
+    """The tensor names a safetensors file's header lists."""
+    header, _, _ = read_safetensors_header(path)
+    return {k for k in header if k != "__metadata__"}
 
 
 def _read_file(path: Path) -> list[FileTensor]:
@@ -379,11 +386,31 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
             if path.name.endswith(INDEX_SUFFIX):
                 return read_hf_index(path, (SUFFIX,))
             return FileSet(path, [path])
-        index = find_index_file(path, INDEX_SUFFIX, "model" + INDEX_SUFFIX)
+        variant_indexes = hf_variant_indexes(path, names_ending(path, (SUFFIX, INDEX_SUFFIX)))
+        index = find_index_file(
+            path,
+            INDEX_SUFFIX,
+            ("model" + INDEX_SUFFIX, "diffusion_pytorch_model" + INDEX_SUFFIX),
+            variant_indexes,
+        )
+        ignored = [
+            f"ignored {n}: the index of a variant of the default weights beside it, loaded "
+            "only where asked for (as Hugging Face does): pass the index to load it"
+            for n in sorted(variant_indexes)
+        ]
         if index is not None:
-            return read_hf_index(index, (SUFFIX,))
+            indexed = read_hf_index(index, (SUFFIX,))
+            indexed.notes = [*(indexed.notes or []), *ignored]
+            return indexed
         file_set = folder_file_set(path, (SUFFIX,))
-        variants = set(hf_variants([f.name for f in file_set.files]))
+        file_set.notes = [*(file_set.notes or []), *ignored]
+        variants = {
+            name
+            for (default, _), names in hf_variants([f.name for f in file_set.files]).items()
+            # The same weights (in another dtype, say), not another part of the model.
+            if set().union(*(_keys(path / n) for n in names)) == _keys(path / default)
+            for name in names
+        }
         if variants:
             file_set.files = [f for f in file_set.files if f.name not in variants]
             file_set.notes = [
