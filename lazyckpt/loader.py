@@ -314,8 +314,8 @@ def _stream(
     # Freed tensors' buffers are reused (the kernel need not zero new ones), within the same
     # bound as the prefetcher's memory: the largest tensor plus the budget.
     largest = max(sizes, default=0)
-    span = stats.begin()
     with (
+        stats.timing() as span,
         Reader(
             use_mmap=options.mmap,
             stats=stats,

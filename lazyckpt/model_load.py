@@ -403,14 +403,14 @@ def load_into(
     if any(d.device.type == "cuda" for d in destinations.values()):
         pool = PinnedPool()
     stats = report.stats
-    span = stats.begin()
     bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
 
     def done(plan: TensorPlan) -> None:
-        stats.add_delivered(plan.nbytes, view=False, span=span)
+        stats.add_delivered(plan.nbytes, view=False, span=clock)
         bar.update(plan.nbytes)
 
     with (
+        stats.timing() as clock,
         torch.no_grad(),
         Reader(use_mmap=options.mmap, stats=stats, stamps=index.stamps) as reader,
         bar,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
@@ -76,12 +78,27 @@ class LoadStats:
     """Tensors yielded so far."""
     views: int = 0
     """Of those, how many were zero-copy views of the mapped file."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    _spans: list[list[float]] = field(default_factory=list, repr=False, compare=False)
-    """Each load's ``[start, last tensor]`` (``perf_counter``): :attr:`seconds` is their union."""
+    _folded: float = field(default=0.0, repr=False, compare=False)
+    """Seconds of finished loads that no load running now or later can overlap."""
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+    _running: list[list[float]] = field(default_factory=list, init=False, repr=False, compare=False)
+    """Each running load's ``[start, last tensor]`` (``perf_counter``)."""
+    _finished: list[list[float]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    """Finished loads' spans that a running load may still overlap."""
 
     def __post_init__(self) -> None:
         forks.renew_lock_in_child(self)
+
+    def __copy__(self) -> LoadStats:
+        """A snapshot: counts and spans copied, not shared (``dataclasses.replace`` keeps the
+        finished loads' time, as :attr:`seconds` was before)."""
+        with self._lock:
+            new = replace(self, bytes_read=dict(self.bytes_read), _folded=self._seconds_locked())
+        return new
 
     def add_read(self, path: str, nbytes: int) -> None:
         with self._lock:
@@ -92,25 +109,48 @@ class LoadStats:
             self.bytes_verified += nbytes
 
     def add_delivered(self, nbytes: int, *, view: bool, span: list[float] | None = None) -> None:
-        """A tensor delivered by the load whose :meth:`begin` gave ``span`` (else the last
-        begun)."""
+        """A tensor delivered by the load whose :meth:`begin` gave ``span``."""
         with self._lock:
             self.bytes_delivered += nbytes
             self.tensors += 1
             self.views += int(view)
-            if span is None and self._spans:
-                span = self._spans[-1]
             if span is not None:
                 span[1] = time.perf_counter()
 
     def begin(self) -> list[float]:
-        """A load starts: its time runs from now to its last tensor (a token to pass to
-        :meth:`add_delivered`)."""
+        """A load starts: its time runs from now to its last tensor. Returns its span, to
+        pass to :meth:`add_delivered` and, once the load is over, to :meth:`end`."""
         now = time.perf_counter()
         span = [now, now]
         with self._lock:
-            self._spans.append(span)
+            self._running.append(span)
         return span
+
+    def end(self, span: list[float]) -> None:
+        """The load of ``span`` is over: its time is kept, and the time of the loads before
+        that nothing running can overlap is folded into one number (a LoadStats given a
+        million loads holds a few spans, not a million)."""
+        with self._lock:
+            if span in self._running:
+                self._running.remove(span)
+                self._finished.append(span)
+            first = min((a for a, _ in self._running), default=float("inf"))
+            kept = []
+            for a, b in _union(self._finished):
+                if b <= first:
+                    self._folded += b - a
+                else:
+                    kept.append([a, b])
+            self._finished = kept
+
+    @contextmanager
+    def timing(self) -> Iterator[list[float]]:
+        """:meth:`begin` and, however the load ends, :meth:`end`."""
+        span = self.begin()
+        try:
+            yield span
+        finally:
+            self.end(span)
 
     @property
     def seconds(self) -> float:
@@ -118,13 +158,10 @@ class LoadStats:
         object: loads that run at once (threads) count the time they share once, and neither
         the time between two loads nor a load left unfinished after its last tensor counts."""
         with self._lock:
-            spans = sorted((a, b) for a, b in self._spans if b > a)
-        total, end = 0.0, float("-inf")
-        for a, b in spans:
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
+            return self._seconds_locked()
+
+    def _seconds_locked(self) -> float:
+        return self._folded + sum(b - a for a, b in _union(self._finished + self._running))
 
     @property
     def total_bytes_read(self) -> int:
@@ -143,9 +180,21 @@ class LoadStats:
 
     def summary(self) -> str:
         gb = 1e9
-        rate = self.bytes_delivered / self.seconds / gb if self.seconds > 0 else 0.0
+        seconds = self.seconds
+        rate = self.bytes_delivered / seconds / gb if seconds > 0 else 0.0
         return (
             f"{self.tensors} tensors, {self.bytes_delivered / gb:.3f} GB delivered, "
             f"{self.total_bytes_read / gb:.3f} GB read from {self.files_read} file(s) "
             f"(amplification {self.read_amplification:.3f}), {rate:.2f} GB/s"
         )
+
+
+def _union(spans: list[list[float]]) -> list[tuple[float, float]]:
+    """``spans`` (``[start, end]``) merged where they overlap, in order; empty ones left out."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((a, b) for a, b in spans if b > a):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged

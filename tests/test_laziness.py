@@ -385,6 +385,17 @@ def test_a_stats_object_given_to_loads_that_overlap_counts_their_common_time_onc
     assert len(list(loader.lazy_load(tmp_path / "m.safetensors", {}, opts))) == 2
     assert idle.seconds <= first + (time.perf_counter() - began)
     kept.close()
+    # A copy is a snapshot: loading into it leaves the original's time as it was.
+    import copy
+    import dataclasses
+
+    for snapshot in (copy.copy(stats), dataclasses.replace(stats)):
+        before = stats.seconds
+        assert snapshot.seconds == before
+        opts = lazyckpt.ModelCheckpointLoadOptions(stats=snapshot)
+        time.sleep(0.05)
+        assert len(list(loader.lazy_load(tmp_path / "m.safetensors", {}, opts))) == 2
+        assert stats.seconds == before and snapshot.seconds > before
 
 
 _CAST_PEAK = """
