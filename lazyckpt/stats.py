@@ -94,8 +94,8 @@ class LoadStats:
         forks.renew_lock_in_child(self)
 
     def __copy__(self) -> LoadStats:
-        """A snapshot: counts and spans copied, not shared (``dataclasses.replace`` keeps the
-        finished loads' time, as :attr:`seconds` was before)."""
+        """A snapshot: the counts copied and the time so far in one number, nothing shared
+        (``dataclasses.replace`` keeps the time of the loads that ended)."""
         with self._lock:
             new = replace(self, bytes_read=dict(self.bytes_read), _folded=self._seconds_locked())
         return new
@@ -131,9 +131,9 @@ class LoadStats:
         that nothing running can overlap is folded into one number (a LoadStats given a
         million loads holds a few spans, not a million)."""
         with self._lock:
-            if span in self._running:
-                self._running.remove(span)
-                self._finished.append(span)
+            at = next((i for i, s in enumerate(self._running) if s is span), None)
+            if at is not None:
+                self._finished.append(self._running.pop(at))
             first = min((a for a, _ in self._running), default=float("inf"))
             kept = []
             for a, b in _union(self._finished):
@@ -156,7 +156,8 @@ class LoadStats:
     def seconds(self) -> float:
         """Wall time from a load's start to its last tensor, summed over the loads given this
         object: loads that run at once (threads) count the time they share once, and neither
-        the time between two loads nor a load left unfinished after its last tensor counts."""
+        the time between two loads nor the time a stream is left suspended after its last
+        tensor counts."""
         with self._lock:
             return self._seconds_locked()
 
