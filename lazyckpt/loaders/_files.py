@@ -7,7 +7,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,7 +75,7 @@ def hf_variants(names: Sequence[str]) -> dict[tuple[str, str], list[str]]:
     return found
 
 
-def hf_variant_indexes(folder: Path, names: Sequence[str]) -> set[str]:
+def hf_variant_indexes(names: Sequence[str]) -> set[str]:
     """Of a folder's ``names``, the index files of Hugging Face variants
     (``diffusion_pytorch_model.fp16.safetensors.index.json``) where their family's default
     (``diffusion_pytorch_model.safetensors`` or its index) is there too: the default is the
@@ -112,7 +112,7 @@ class FileSet:
     path: Path
     files: list[Path]
     wanted: dict[Path, list[str]] | None = None
-    notes: list[str] | None = None
+    notes: list[str] = field(default_factory=list)
     metadata: dict[str, str] | None = None
 
 
@@ -121,10 +121,13 @@ def find_index_file(
     suffix: str,
     preferred: str | tuple[str, ...],
     variants: Collection[str] = (),
+    names: Sequence[str] | None = None,
 ) -> Path | None:
     """The folder's index file ending in ``suffix`` (``preferred`` wins among several; the
-    ``variants``' indexes are left out, and with them nothing else is taken)."""
-    found = [n for n in names_ending(folder, suffix) if n not in variants]
+    ``variants``' indexes are left out, and with them nothing else is taken). ``names``: the
+    folder's listing, where the caller has it."""
+    listed = names_ending(folder, suffix) if names is None else names
+    found = [n for n in listed if n.endswith(suffix) and n not in variants]
     if not found:
         return None
     if len(found) == 1:
@@ -196,7 +199,7 @@ def folder_file_set(
             ),
         )
     notes = [f"ignored {f.name}: training state, not weights" for f in skipped]
-    return FileSet(folder, files, notes=notes or None)
+    return FileSet(folder, files, notes=notes)
 
 
 def build_file_set_index(
@@ -209,7 +212,7 @@ def build_file_set_index(
     entries: dict[str, TensorEntry] = {}
     seen: dict[str, Path] = {}
     metadata = dict(file_set.metadata or {})
-    notes = list(file_set.notes or [])
+    notes = list(file_set.notes)
     for path in file_set.files:
         tensors = read_file(path)
         if file_set.wanted is not None:

@@ -386,53 +386,46 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
             if path.name.endswith(INDEX_SUFFIX):
                 return read_hf_index(path, (SUFFIX,))
             return FileSet(path, [path])
-        variant_indexes = hf_variant_indexes(path, names_ending(path, (SUFFIX, INDEX_SUFFIX)))
+        listing = names_ending(path, (SUFFIX, INDEX_SUFFIX))
+        variant_indexes = hf_variant_indexes(listing)
         index = find_index_file(
             path,
             INDEX_SUFFIX,
             ("model" + INDEX_SUFFIX, "diffusion_pytorch_model" + INDEX_SUFFIX),
             variant_indexes,
+            listing,
         )
-        ignored = [
+        file_set = read_hf_index(index, (SUFFIX,)) if index is not None else None
+        notes = [
             f"ignored {n}: the index of a variant of the default weights beside it, loaded "
             "only where asked for (as Hugging Face does): pass the index to load it"
             for n in sorted(variant_indexes)
         ]
-        if index is not None:
-            indexed = read_hf_index(index, (SUFFIX,))
-            indexed.notes = [*(indexed.notes or []), *ignored]
-            return indexed
-        file_set = folder_file_set(path, (SUFFIX,))
-        file_set.notes = [*(file_set.notes or []), *ignored]
-        variants = {
-            name
-            for (default, _), names in hf_variants([f.name for f in file_set.files]).items()
-            # The same weights (in another dtype, say), not another part of the model.
-            if set().union(*(_keys(path / n) for n in names)) == _keys(path / default)
-            for name in names
-        }
-        if variants:
+        if file_set is None:
+            file_set = folder_file_set(path, (SUFFIX,))
+            variants = sorted(
+                name
+                for (default, _), names in hf_variants([f.name for f in file_set.files]).items()
+                # The same weights (in another dtype, say), not another part of the model.
+                if set().union(*(_keys(path / n) for n in names)) == _keys(path / default)
+                for name in names
+            )
             file_set.files = [f for f in file_set.files if f.name not in variants]
-            file_set.notes = [
-                *(file_set.notes or []),
-                *(
-                    f"ignored {n}: a variant of the default weights beside it, loaded only "
-                    "where asked for (as Hugging Face does): pass the file to load it"
-                    for n in sorted(variants)
-                ),
+            twins = sorted(
+                n
+                for n in os.listdir(path)
+                if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES)
+                and not TRAINER_STATE.fullmatch(n)
+            )
+            notes += [
+                f"ignored {n}: a variant of the default weights beside it, loaded only where "
+                "asked for (as Hugging Face does): pass the file to load it"
+                for n in variants
             ]
-        twins = [
-            n
-            for n in sorted(os.listdir(path))
-            if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES) and not TRAINER_STATE.fullmatch(n)
-        ]
-        if twins:  # detection chose these files over the torch ones (see torch_twins)
-            file_set.notes = [
-                *(file_set.notes or []),
-                *(
-                    f"ignored {n}: the safetensors files beside it are loaded, as Hugging "
-                    "Face loads them where a model is saved in both formats"
-                    for n in twins
-                ),
+            notes += [  # detection chose these files over the torch ones (torch_twins)
+                f"ignored {n}: the safetensors files beside it are loaded, as Hugging Face "
+                "loads them where a model is saved in both formats"
+                for n in twins
             ]
+        file_set.notes += notes
         return file_set
