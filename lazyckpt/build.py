@@ -10,7 +10,7 @@ import torch
 
 from lazyckpt import alloc
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import Chunk
+from lazyckpt.index import Chunk, replica_differs
 from lazyckpt.load_plan import TensorPlan
 from lazyckpt.options import castable
 from lazyckpt.plan import Box, Piece, plan_pieces
@@ -260,9 +260,7 @@ def _verified_one(
         b = plan.entry.copies[copy][pieces[0].chunk].path if pieces else None
         raise CorruptModelCheckpointError(
             b or a or "<memory>",
-            f"key {plan.entry.display_key} should be a replica but its copies in {a} and {b} "
-            "differ; if the key is split across model-parallel ranks, add it to shard_dims "
-            "(see lazyckpt.presets), otherwise one of the files is damaged",
+            replica_differs(plan.entry, a, b),
             key=plan.entry.checkpoint_key,
         )
 

@@ -244,6 +244,16 @@ def stamped(index_of: Callable[[], CheckpointIndex]) -> CheckpointIndex:
     return index
 
 
+def replica_differs(entry: TensorEntry, a: object, b: object, proof: str = "") -> str:
+    """What to say of a key read as a replica whose copies in ``a`` and ``b`` differ
+    (``proof``: how that is known, where not by reading them)."""
+    return (
+        f"key {entry.display_key} should be a replica but its copies in {a} and {b} differ"
+        f"{f' ({proof})' if proof else ''}; if the key is split across model-parallel ranks, "
+        "add it to shard_dims (see lazyckpt.presets), otherwise one of the files is damaged"
+    )
+
+
 def differing_note(differing: Mapping[str, tuple[Path, str]]) -> str:
     """The index's note on :attr:`CheckpointIndex.differing_copies`: one line for them all
     (without shard dims, every split key of a model-parallel set is one)."""

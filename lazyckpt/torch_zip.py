@@ -684,6 +684,10 @@ def copied_files(archives: Sequence[TorchArchive]) -> list[tuple[Path, Path]]:
     return pairs
 
 
+CRC_PROOF = "their zip records' CRC-32s differ"
+"""How :func:`differing_copy` knows, for the message that refuses such a replica."""
+
+
 def differing_copy(copies: Sequence[tuple[TorchArchive, StoredTensor]]) -> int | None:
     """The index of the first of ``copies`` (one key's tensor as each file stores it) whose
     bytes differ from the first's, as the CRC-32s of their storage records prove without a

@@ -19,12 +19,20 @@ from typing import final
 
 from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
 from lazyckpt.errors import CheckpointWarning, CorruptModelCheckpointError, warn
-from lazyckpt.index import CheckpointIndex, FileRegion, TensorEntry, add_entry, differing_note
+from lazyckpt.index import (
+    CheckpointIndex,
+    FileRegion,
+    TensorEntry,
+    add_entry,
+    differing_note,
+    replica_differs,
+)
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
 from lazyckpt.torch_zip import (
+    CRC_PROOF,
     StoredTensor,
     TorchArchive,
     copied_files,
@@ -243,10 +251,7 @@ def _differing_replicas(
             raise ValueError(f"{path}: {misnamed}")
         found[entry.key] = (
             ranks[odd][0],
-            f"key {entry.display_key} should be a replica but its copies in "
-            f"{ranks[0][0].name} and {ranks[odd][0].name} differ (their zip records' "
-            "CRC-32s differ); if the key is split across model-parallel ranks, add it to "
-            "shard_dims (see lazyckpt.presets), otherwise one of the files is damaged",
+            replica_differs(entry, ranks[0][0].name, ranks[odd][0].name, CRC_PROOF),
         )
     return found
 

@@ -14,12 +14,18 @@ from typing import final
 
 from lazyckpt.assemble import Cell, assemble_grid
 from lazyckpt.errors import CorruptModelCheckpointError
-from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry, differing_note
+from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry, differing_note, replica_differs
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
 from lazyckpt.plan import PlanError
-from lazyckpt.torch_zip import StoredTensor, TorchArchive, differing_copy, read_torch_set
+from lazyckpt.torch_zip import (
+    CRC_PROOF,
+    StoredTensor,
+    TorchArchive,
+    differing_copy,
+    read_torch_set,
+)
 
 __all__ = ["Fairseq2CheckpointLoader"]
 
@@ -190,12 +196,8 @@ def _differing_message(
     path: Path, entry: TensorEntry, grid_files: list[list[Path]], r: int, s: int
 ) -> tuple[Path, str]:
     """:attr:`CheckpointIndex.differing_copies`' entry for copy ``(r, s)`` of ``entry``."""
-    return grid_files[r][s], (
-        f"key {entry.display_key} should be a replica but its copies in "
-        f"{grid_files[0][s].relative_to(path)} and {grid_files[r][s].relative_to(path)} differ "
-        "(their zip records' CRC-32s differ); if the key is split across tensor-parallel "
-        "ranks, add it to shard_dims, otherwise one of the files is damaged"
-    )
+    first, odd = (grid_files[row][s].relative_to(path) for row in (0, r))
+    return grid_files[r][s], replica_differs(entry, first, odd, CRC_PROOF)
 
 
 def _check_grid(
