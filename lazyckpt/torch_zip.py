@@ -804,15 +804,13 @@ def _read_archive(
         if memo is not None:
             memo[(data, restrict)] = known
     obj, forbidden, referenced = known
-    if len(referenced) != len(storages) or not referenced.issuperset(storages):
-        stray = sorted(set(storages) - referenced)
-        if stray:  # torch.save writes a record for each storage it pickles, and no other
-            raise CorruptModelCheckpointError(
-                path,
-                f"holds storage record data/{stray[0]} that data.pkl never refers to: the "
-                "pickle is damaged (its tensors would be lost without a word); copy the file "
-                "again",
-            )
+    stray = storages.keys() - referenced
+    if stray:  # torch.save writes a record for each storage it pickles, and no other
+        raise CorruptModelCheckpointError(
+            path,
+            f"holds storage record data/{min(stray)} that data.pkl never refers to: the pickle "
+            "is damaged (its tensors would be lost without a word); copy the file again",
+        )
     if shapes is not None and payloads:
         same = shapes.setdefault((span.length, restrict), [])
         full = len(same) >= _SHAPES_PER_LENGTH
