@@ -256,3 +256,73 @@ def test_a_megatron_tracker_of_too_many_digits_is_still_a_root(tmp_path: Path) -
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("9" * 5000)
     with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="Megatron-LM checkpoint root"):
         detect_loader(tmp_path)
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    if path.name.endswith(".safetensors"):
+        save_file(tensors, path)
+    else:
+        torch.save(tensors, path)
+
+
+@pytest.mark.parametrize(("family", "suffix"), [("model", ".safetensors"), ("pytorch_model", ".bin")])
+def test_a_set_of_numbered_files_without_its_index_must_be_whole(
+    tmp_path: Path, family: str, suffix: str
+) -> None:
+    # A download that stopped: 2 of 3 shards and no index. It used to load 2/3 of the model.
+    names = [f"{family}-0000{i}-of-00003{suffix}" for i in (1, 2, 3)]
+    for i, name in enumerate(names):
+        _save(tmp_path / name, {f"w{i}": torch.full((2,), float(i))})
+    assert set(dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}))) == {"w0", "w1", "w2"}
+    (tmp_path / names[1]).unlink()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=f"2 of the 3 files.*{names[1]} is missing"):
+        list(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {}))
+    # One file passed alone is loaded alone: the caller asked for it.
+    assert list(dict(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / names[0], {}))) == ["w0"]
+    (tmp_path / names[1].replace("00002-of", "00004-of")).write_bytes((tmp_path / names[0]).read_bytes())
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="numbered outside the set of 3"):
+        detect_loader(tmp_path).index(tmp_path)
+
+
+def test_torch_variants_beside_the_default_file_are_left_to_be_passed_by_name(tmp_path: Path) -> None:
+    # pytorch_model.fp16.bin beside pytorch_model.bin (no safetensors): the default is loaded,
+    # as transformers does; it used to be refused as a key held twice.
+    w = torch.arange(4.0)
+    torch.save({"w": w}, tmp_path / "pytorch_model.bin")
+    torch.save({"w": w.half()}, tmp_path / "pytorch_model.fp16.bin")
+    loader = detect_loader(tmp_path)
+    got = dict(loader.lazy_load(tmp_path, {}))
+    assert list(got) == ["w"] and same_bits(got["w"], w)
+    assert any("pytorch_model.fp16.bin: a variant" in n for n in loader.index(tmp_path).notes)
+    got = dict(loader.lazy_load(tmp_path / "pytorch_model.fp16.bin", {}))
+    assert got["w"].dtype == torch.float16
+    # A file named like a variant that holds other keys is another part of the model.
+    torch.save({"vision.w": w}, tmp_path / "pytorch_model.vision.bin")
+    assert set(dict(detect_loader(tmp_path).lazy_load(tmp_path, {}))) == {"w", "vision.w"}
+
+
+@pytest.mark.parametrize(
+    ("weights", "adapter", "loader_name"),
+    [
+        ("model.safetensors", "adapter_model.safetensors", "safetensors"),
+        ("model.safetensors", "adapter_model.bin", "safetensors"),
+        ("pytorch_model.bin", "adapter_model.safetensors", "torch"),
+        ("pytorch_model.bin", "adapter_model.bin", "torch"),
+    ],
+)
+def test_a_peft_adapter_beside_the_weights_is_not_merged_into_them(
+    tmp_path: Path, weights: str, adapter: str, loader_name: str
+) -> None:
+    w = torch.arange(6.0).reshape(2, 3)
+    lora = "base_model.model.layer.lora_A.weight"
+    _save(tmp_path / weights, {"layer.weight": w})
+    _save(tmp_path / adapter, {lora: torch.ones(1, 3)})
+    loader = detect_loader(tmp_path)
+    assert loader.name == loader_name
+    got = dict(loader.lazy_load(tmp_path, {}))
+    assert list(got) == ["layer.weight"] and torch.equal(got["layer.weight"], w)
+    assert any(f"{adapter}: a PEFT adapter" in n for n in loader.index(tmp_path).notes)
+    # Passed by name, or alone in its folder, the adapter is the checkpoint.
+    assert list(dict(detect_loader(tmp_path / adapter).lazy_load(tmp_path / adapter, {}))) == [lora]
+    (tmp_path / weights).unlink()
+    assert list(dict(detect_loader(tmp_path).lazy_load(tmp_path, {}))) == [lora]

@@ -18,7 +18,7 @@ import torch
 from lazyckpt.errors import UnknownCheckpointFormatError
 from lazyckpt.loader import IndexedCheckpointLoader, ModelCheckpointLoader, check_path
 from lazyckpt.loaders import dcp, fairscale, fairseq2
-from lazyckpt.loaders._files import torch_twins
+from lazyckpt.loaders._files import adapter_files, torch_twins
 from lazyckpt.loaders.dcp import DcpCheckpointLoader
 from lazyckpt.loaders.fairscale import FILE_RE as _CONSOLIDATED
 from lazyckpt.loaders.fairscale import FairscaleCheckpointLoader
@@ -98,6 +98,10 @@ def _detect_folder(p: Path) -> IndexedCheckpointLoader:
     if sets and sets[0] is DCP:  # Megatron's torch_dist: its common state is not weights
         megatron = dcp.megatron_files(names)
         loose_pt = [n for n in loose_pt if n not in megatron]
+    if not sets:  # a PEFT adapter beside the weights is not among them (loaded by name)
+        adapters = set(adapter_files(loose_st + loose_pt))
+        loose_st = [n for n in loose_st if n not in adapters]
+        loose_pt = [n for n in loose_pt if n not in adapters]
     if len(sets) > 1:
         raise UnknownCheckpointFormatError(
             p, f"holds both a {sets[0].name} and a {sets[1].name} checkpoint; keep one per folder"

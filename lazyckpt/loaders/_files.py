@@ -3,6 +3,7 @@ files, or a Hugging Face ``*.index.json`` naming the file of every key."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -17,16 +18,36 @@ from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, TensorEntry, add_
 from lazyckpt.loader import KeyRules
 from lazyckpt.paths import list_files, member_path, names_ending
 
-__all__ = ["FileTensor", "FileSet", "build_file_set_index", "find_index_file", "read_hf_index"]
+__all__ = [
+    "FileSet",
+    "FileTensor",
+    "adapter_files",
+    "build_file_set_index",
+    "check_complete",
+    "find_index_file",
+    "leave_out_variants",
+    "read_hf_index",
+]
 
 _HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
 """The names of the torch files Hugging Face saves beside ``model*.safetensors`` (diffusers:
 ``diffusion_pytorch_model*`` beside ``diffusion_pytorch_model*.safetensors``), and their index;
 the rest of the name (shard numbers, a variant such as ``.fp16``) is the same in both formats."""
 _SHARDS = re.compile(r"(-\d+-of-\d+)?")
-_HF_VARIANT = re.compile(r"(model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.safetensors")
+_HF_VARIANT = {
+    ".safetensors": re.compile(
+        r"(model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.safetensors"
+    ),
+    ".bin": re.compile(r"(pytorch_model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.bin"),
+}
 """A variant of a Hugging Face weights file (``model.fp16.safetensors``, diffusers'
-``diffusion_pytorch_model.non_ema.safetensors``): loaded only where asked for by name."""
+``diffusion_pytorch_model.non_ema.safetensors``, ``pytorch_model.fp16.bin``), by the suffix of
+its format: loaded only where asked for by name."""
+ADAPTER = re.compile(r"adapter_model\.(safetensors|bin)")
+"""The file PEFT saves an adapter (LoRA, ...) in, beside the model's weights or alone."""
+_NUMBERED = re.compile(r"(.+)-(\d+)-of-(\d+)(\.[^-]+)")
+"""A file of a sharded set (``model-00001-of-00004.safetensors``): its prefix, its number, the
+set's count and its suffix."""
 _HF_VARIANT_INDEX = re.compile(r"(model|diffusion_pytorch_model)\.[^.]+\.safetensors\.index\.json")
 
 
@@ -60,19 +81,81 @@ def _counterpart(torch_name: str) -> str:
     return f"{family}{rest if _SHARDS.fullmatch(rest) else ''}.safetensors"
 
 
-def hf_variants(names: Sequence[str]) -> dict[tuple[str, str], list[str]]:
-    """Of a folder's ``*.safetensors`` ``names``, the Hugging Face variants whose family's
-    default file is there too (``model.fp16.safetensors`` beside ``model.safetensors``, as a
-    Stable Diffusion ``unet/`` ships them): ``(default, variant) -> its files`` (one, or its
-    shards). Variants by name, which the caller confirms by their keys
-    (``model.vision.safetensors`` may be another part of the model)."""
+def hf_variants(names: Sequence[str], suffix: str) -> dict[tuple[str, str], list[str]]:
+    """Of a folder's ``names`` ending in ``suffix`` (``.safetensors`` or ``.bin``), the Hugging
+    Face variants whose family's default file is there too (``model.fp16.safetensors`` beside
+    ``model.safetensors``, as a Stable Diffusion ``unet/`` ships them): ``(default, variant) ->
+    its files`` (one, or its shards). Variants by name, which :func:`leave_out_variants`
+    confirms by their keys (``model.vision.safetensors`` may be another part of the model)."""
     have = set(names)
     found: dict[tuple[str, str], list[str]] = {}
     for n in names:
-        m = _HF_VARIANT.fullmatch(n)
-        if m is not None and f"{m.group(1)}.safetensors" in have:
-            found.setdefault((f"{m.group(1)}.safetensors", m.group(2)), []).append(n)
+        m = _HF_VARIANT[suffix].fullmatch(n)
+        if m is not None and f"{m.group(1)}{suffix}" in have:
+            found.setdefault((f"{m.group(1)}{suffix}", m.group(2)), []).append(n)
     return found
+
+
+def leave_out_variants(file_set: FileSet, suffix: str, keys: Callable[[Path], set[str]]) -> None:
+    """Take the Hugging Face variants of the default weights out of a folder's ``file_set``
+    (noted), as transformers and diffusers load the default where no variant is asked for:
+    those of :func:`hf_variants` whose keys (``keys`` of a file) equal the default file's, the
+    same weights in another dtype, say, not another part of the model."""
+    folder = file_set.path
+    variants = sorted(
+        name
+        for (default, _), names in hf_variants([f.name for f in file_set.files], suffix).items()
+        if set().union(*(keys(folder / n) for n in names)) == keys(folder / default)
+        for name in names
+    )
+    file_set.files = [f for f in file_set.files if f.name not in variants]
+    file_set.notes += [
+        f"ignored {n}: a variant of the default weights beside it, loaded only where asked for "
+        "(as Hugging Face does): pass the file to load it"
+        for n in variants
+    ]
+
+
+def adapter_files(names: Sequence[str]) -> list[str]:
+    """Of a folder's weights files ``names``, the PEFT adapter files (``adapter_model.*``) where
+    other weights are there too: the model those adapt, or the merged model, is the checkpoint,
+    and the adapter's keys (``base_model.model....lora_A.weight``) are not its. An adapter alone
+    is its folder's checkpoint (none are returned)."""
+    found = [n for n in names if ADAPTER.fullmatch(n)]
+    return found if len(found) < len(names) else []
+
+
+def check_complete(file_set: FileSet) -> None:
+    """Refuse a folder set without an index whose numbered files (``model-00001-of-00002``)
+    are not all there: a download that stopped, or a shard deleted, would load part of the
+    model and deliver it as the whole. Run on the files that will be loaded."""
+    groups: dict[tuple[str, str, str], set[int]] = {}
+    for f in file_set.files:
+        m = _NUMBERED.fullmatch(f.name)
+        if m is not None:
+            prefix, number, count, suffix = m.groups()
+            groups.setdefault((prefix, count, suffix), set()).add(int(number))
+    for (prefix, count, suffix), numbers in sorted(groups.items()):
+        total, width = int(count), len(count)
+        outside = sorted(n for n in numbers if not 1 <= n <= total)
+        if outside:
+            raise CorruptModelCheckpointError(
+                file_set.path,
+                f"holds {prefix}-{outside[0]:0{width}d}-of-{count}{suffix}, numbered outside "
+                f"the set of {total}: rename or remove it",
+            )
+        if len(numbers) == total:
+            continue
+        missing = list(itertools.islice((n for n in range(1, total + 1) if n not in numbers), 3))
+        more = " ..." if total - len(numbers) > len(missing) else ""
+        raise CorruptModelCheckpointError(
+            file_set.path,
+            f"holds {len(numbers)} of the {total} files of {prefix}-*-of-{count}{suffix}, "
+            f"and no index: {', '.join(f'{prefix}-{n:0{width}d}-of-{count}{suffix}' for n in missing)}"
+            f"{more} {'is' if total - len(numbers) == 1 else 'are'} missing, so the model would "
+            "load in part. Download the missing files (the download may have stopped), or pass "
+            "one file to load it alone",
+        )
 
 
 def hf_variant_indexes(names: Sequence[str]) -> set[str]:
@@ -188,6 +271,13 @@ def folder_file_set(
     files = list_files(folder, suffixes)
     skipped = [f for f in files if skip is not None and skip.fullmatch(f.name)]
     files = [f for f in files if f not in skipped]
+    # PEFT adapters beside the weights, of this format (left out) or the other (noted only).
+    adapters = set(adapter_files([f.name for f in files]))
+    files = [f for f in files if f.name not in adapters]
+    if files:
+        adapters.update(
+            n for n in names_ending(folder, (".safetensors", ".bin")) if ADAPTER.fullmatch(n)
+        )
     if not files:
         raise CorruptModelCheckpointError(
             folder,
@@ -199,6 +289,11 @@ def folder_file_set(
             ),
         )
     notes = [f"ignored {f.name}: training state, not weights" for f in skipped]
+    notes += [
+        f"ignored {n}: a PEFT adapter beside the model's weights, not part of them: pass the "
+        "file to load the adapter"
+        for n in sorted(adapters)
+    ]
     return FileSet(folder, files, notes=notes)
 
 

@@ -27,13 +27,15 @@ from lazyckpt.index import (
 )
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.loaders._files import (
+    ADAPTER,
     FileSet,
     FileTensor,
     build_file_set_index,
+    check_complete,
     find_index_file,
     folder_file_set,
     hf_variant_indexes,
-    hf_variants,
+    leave_out_variants,
     read_hf_index,
 )
 from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as TORCH_INDEX_SUFFIXES
@@ -403,25 +405,15 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
         ]
         if file_set is None:
             file_set = folder_file_set(path, (SUFFIX,))
-            variants = sorted(
-                name
-                for (default, _), names in hf_variants([f.name for f in file_set.files]).items()
-                # The same weights (in another dtype, say), not another part of the model.
-                if set().union(*(_keys(path / n) for n in names)) == _keys(path / default)
-                for name in names
-            )
-            file_set.files = [f for f in file_set.files if f.name not in variants]
+            leave_out_variants(file_set, SUFFIX, _keys)
+            check_complete(file_set)
             twins = sorted(
                 n
                 for n in os.listdir(path)
                 if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES)
                 and not TRAINER_STATE.fullmatch(n)
+                and not ADAPTER.fullmatch(n)  # noted by folder_file_set
             )
-            notes += [
-                f"ignored {n}: a variant of the default weights beside it, loaded only where "
-                "asked for (as Hugging Face does): pass the file to load it"
-                for n in variants
-            ]
             notes += [  # detection chose these files over the torch ones (torch_twins)
                 f"ignored {n}: the safetensors files beside it are loaded, as Hugging Face "
                 "loads them where a model is saved in both formats"

@@ -14,8 +14,10 @@ from lazyckpt.loaders._files import (
     FileSet,
     FileTensor,
     build_file_set_index,
+    check_complete,
     find_index_file,
     folder_file_set,
+    leave_out_variants,
     read_hf_index,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
@@ -88,12 +90,12 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
         def read(p: Path) -> list[FileTensor]:
             return read_torch_file(p, restrict=options.restrict, keep=rules.wants, notes=notes)
 
-        index = build_file_set_index(self.file_set(path), self.name, read, rules)
+        index = build_file_set_index(self.file_set(path, options.restrict), self.name, read, rules)
         index.notes += notes
         return index
 
     @staticmethod
-    def file_set(path: Path) -> FileSet:
+    def file_set(path: Path, restrict: bool = True) -> FileSet:
         if path.is_file():
             if path.name.endswith(INDEX_SUFFIXES):
                 return read_hf_index(path, SUFFIXES)
@@ -102,4 +104,11 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
             index = find_index_file(path, suffix, "pytorch_model" + suffix)
             if index is not None:
                 return read_hf_index(index, SUFFIXES)
-        return folder_file_set(path, SUFFIXES, skip=TRAINER_STATE)
+        file_set = folder_file_set(path, SUFFIXES, skip=TRAINER_STATE)
+
+        def keys(p: Path) -> set[str]:
+            return set(read_torch_archive(p, restrict=restrict).state_dict())
+
+        leave_out_variants(file_set, ".bin", keys)
+        check_complete(file_set)
+        return file_set
