@@ -43,7 +43,7 @@ from lazyckpt.layout import Layout
 from lazyckpt.load_plan import TensorPlan, check_copies, entry_path, plan_entry
 from lazyckpt.loader import IndexedCheckpointLoader, read_as_replicas
 from lazyckpt.loaders import detect_loader
-from lazyckpt.options import ModelCheckpointLoadOptions
+from lazyckpt.options import KeyMap, ModelCheckpointLoadOptions, apply_key_map
 from lazyckpt.plan import element_offset, span
 from lazyckpt.presets import PRESETS, ShardDimPreset
 from lazyckpt.stats import LoadStats, byte_bar
@@ -177,6 +177,63 @@ def load_shard_dims(spec: str) -> ShardDimsChoice:
     return ShardDimsChoice(dict(doc), f"file {path}")
 
 
+class KeyMapFile:
+    """``--key-map FILE.json``: ``{checkpoint key: new name, or null to drop it}``, as
+    ``options.key_map``. A function rather than the mapping itself so that it can say which of
+    its keys no checkpoint key was looked up under (a typo renames nothing)."""
+
+    def __init__(self, spec: str, mapping: dict[str, str | None]) -> None:
+        self.spec = spec
+        self.mapping = mapping
+        self.seen: set[str] = set()
+
+    def __call__(self, key: str) -> str | None:
+        if key in self.mapping:
+            self.seen.add(key)
+            return self.mapping[key]
+        return key
+
+    def unused(self) -> list[str]:
+        return [k for k in self.mapping if k not in self.seen]
+
+
+def load_key_map(spec: str) -> KeyMapFile:
+    """``--key-map``: a JSON file ``{key: new name or null}``."""
+    path = Path(spec)
+    if not path.exists() or path.is_dir():
+        raise UsageError(
+            f"--key-map {spec!r} is not a file: expected a JSON file mapping checkpoint keys to "
+            "new names (null drops a key)"
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"--key-map {spec}: cannot read it as JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"--key-map {spec}: expected a JSON object {{key: new name or null}}")
+    for key, new in doc.items():
+        if new is not None and not isinstance(new, str):
+            raise UsageError(
+                f"--key-map {spec}: {key!r} maps to {new!r}; give a new name (a string), or "
+                "null to drop the key"
+            )
+    return KeyMapFile(spec, doc)
+
+
+def _warn_unused_key_map(options: ModelCheckpointLoadOptions) -> None:
+    """A note naming the ``--key-map`` keys the checkpoint lacks (after an index is built)."""
+    key_map = options.key_map
+    if not isinstance(key_map, KeyMapFile):
+        return
+    unused = key_map.unused()
+    if unused:
+        shown = ", ".join(repr(k) for k in unused[:5]) + (" ..." if len(unused) > 5 else "")
+        _note(
+            f"--key-map {key_map.spec}: {len(unused)} key(s) the checkpoint lacks, ignored: "
+            f"{shown}; name keys as the checkpoint does (lazyckpt inspect lists them)"
+        )
+
+
 def detect_preset(
     loader: IndexedCheckpointLoader, path: Path, base: ModelCheckpointLoadOptions | None = None
 ) -> str | None:
@@ -273,6 +330,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     choice = resolve_shard_dims(args.shard_dims, loader, path, base)
     index = loader.index(path, choice.dims, base)
     _warn_no_dims(choice, index)
+    _warn_unused_key_map(base)
     keys = list(index.entries)
     dims = choice.concrete(keys)
     files = _file_sizes(index)
@@ -438,6 +496,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = replace(base, layout=layout, dtype=dtype)
     index, plans = loader.plan(path, choice.dims, options)
     _warn_no_dims(choice, index, layout.tp_size)
+    _warn_unused_key_map(base)
     for note in index.notes:
         _note(note)
     s = summarize_plans(plans, dtype=dtype, prefetch_bytes=options.prefetch_bytes)
@@ -536,8 +595,18 @@ class Problems:
         return bool(self.items)
 
 
-def _drop(keys: frozenset[str]) -> Callable[[str], str | None]:
-    return lambda k: None if k in keys else k
+def _drop(keys: frozenset[str], base: ModelCheckpointLoadOptions | None) -> KeyMap | None:
+    """The caller's ``key_map`` (``--key-map``) with ``keys`` dropped as well, named by the
+    checkpoint or by the map (an error names a key either way)."""
+    user = base.key_map if base is not None else None
+    if not keys:
+        return user
+
+    def key_map(k: str) -> str | None:
+        target = apply_key_map(user, k)
+        return None if k in keys or target in keys else target
+
+    return key_map
 
 
 def index_collecting(
@@ -552,7 +621,9 @@ def index_collecting(
     dropped keys."""
     dropped: set[str] = set()
     while True:
-        options = replace(base or ModelCheckpointLoadOptions(), key_map=_drop(frozenset(dropped)))
+        options = replace(
+            base or ModelCheckpointLoadOptions(), key_map=_drop(frozenset(dropped), base)
+        )
         try:
             return loader.index(path, dims, options), dropped
         except OSError as exc:  # unreadable (permissions, I/O error): a problem like the rest
@@ -625,7 +696,7 @@ def read_collecting(
         drop = frozenset(skipped | set(done))
         options = replace(
             base or ModelCheckpointLoadOptions(),
-            key_map=_drop(drop),
+            key_map=_drop(drop, base),
             mmap=False,
             verify_replicas=True,
             verify_replicas_max_bytes=1 << 62,
@@ -813,6 +884,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     targets: list[tuple[IndexedCheckpointLoader, Path, CheckpointIndex, set[str]]] = []
     if index is not None:
         _warn_no_dims(choice, index)
+        _warn_unused_key_map(base)
         targets.append((loader, path, index, dropped))
     else:
         for f in _data_files(loader, path):
@@ -916,6 +988,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             f"{'|'.join(sorted(PRESETS))}|FILE.json"
         )
     _warn_no_dims(choice, index, args.tp)
+    _warn_unused_key_map(base)
     for note in index.notes:  # what the index leaves out is not written either
         _note(note)
     result = reshard(
@@ -929,7 +1002,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         max_shard_size=max_shard,
         force=args.force,
         progress=_progress_enabled() and not args.json,
-        options=replace(RESHARD_OPTIONS, restrict=base.restrict),
+        options=replace(RESHARD_OPTIONS, restrict=base.restrict, key_map=base.key_map),
         loader=loader,
     )
     if args.json:
@@ -982,7 +1055,13 @@ def _add_common(p: argparse.ArgumentParser, *, json_help: str = "machine-readabl
     )
 
 
-def _add_no_restrict(p: argparse.ArgumentParser) -> None:
+def _add_reading(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--key-map",
+        metavar="FILE.json",
+        help="rename or drop keys before anything is read: a JSON file {checkpoint key: new "
+        "name, or null to drop it} (options.key_map); --shard-dims names keys after it",
+    )
     p.add_argument(
         "--no-restrict",
         action="store_true",
@@ -993,8 +1072,13 @@ def _add_no_restrict(p: argparse.ArgumentParser) -> None:
 
 
 def _base_options(args: argparse.Namespace) -> ModelCheckpointLoadOptions:
-    """The options every command starts from: the unpickling rule of ``--no-restrict``."""
-    return ModelCheckpointLoadOptions(restrict=not getattr(args, "no_restrict", False))
+    """The options every command starts from: the unpickling rule of ``--no-restrict``, the
+    ``--key-map``."""
+    spec = getattr(args, "key_map", None)
+    return ModelCheckpointLoadOptions(
+        restrict=not getattr(args, "no_restrict", False),
+        key_map=load_key_map(spec) if spec is not None else None,
+    )
 
 
 def _add_shard_dims(p: argparse.ArgumentParser) -> None:
@@ -1053,7 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="format, source layout and every key (metadata only)")
     p.add_argument("path", metavar="PATH", type=_path)
     _add_shard_dims(p)
-    _add_no_restrict(p)
+    _add_reading(p)
     _add_common(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -1064,7 +1148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (default 1)")
     p.add_argument("--dp-rank", type=_rank, default=0, metavar="R", help="FSDP rank (default 0)")
     _add_shard_dims(p)
-    _add_no_restrict(p)
+    _add_reading(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors")
     _add_common(p)
     p.set_defaults(func=cmd_plan)
@@ -1072,7 +1156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="every check that can be made; exit 1 naming each problem")
     p.add_argument("path", metavar="PATH", type=_path)
     _add_shard_dims(p)
-    _add_no_restrict(p)
+    _add_reading(p)
     p.add_argument(
         "--read",
         action="store_true",
@@ -1087,7 +1171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, required=True, metavar="N", help="target TP size")
     p.add_argument("--dp", type=_positive, default=1, metavar="N", help="FSDP size (safetensors)")
     _add_shard_dims(p)
-    _add_no_restrict(p)
+    _add_reading(p)
     p.add_argument(
         "--format",
         choices=("consolidated", "safetensors"),

@@ -980,9 +980,9 @@ def _flatten(
             raise CorruptModelCheckpointError(
                 path,
                 f"key {key!r} holds a {type(v).__name__}, not a tensor; a state dict may "
-                "only hold tensors: drop the key with options.key_map (a function returning "
-                "None for it), remove it from the file, or save the weights under 'model' "
-                "beside it",
+                "only hold tensors: drop the key with options.key_map (mapping it to None; "
+                "--key-map on the command line), remove it from the file, or save the weights "
+                "under 'model' beside it",
                 key=key,
             )
     inside.discard(id(obj))

@@ -180,6 +180,72 @@ def test_shard_dims_that_cannot_be_meant_are_noted(
     assert rc == 0 and "note" not in err
 
 
+def test_key_map_renames_and_drops_for_every_command(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # Hugging Face-style names to Meta's, so that a preset splits them, and one key dropped.
+    _, full, dims = mp4
+    src = tmp_path / "renamed.safetensors"
+    save_file({f"model.{k}": t.contiguous() for k, t in full.items()}, src)
+    mapping: dict[str, str | None] = {f"model.{k}": k for k in full}
+    mapping["model.output.weight"] = None
+    spec = tmp_path / "map.json"
+    spec.write_text(json.dumps(mapping))
+    kept = [k for k in full if k != "output.weight"]
+    doc = run_json(capsys, "inspect", src, "--key-map", spec, "--shard-dims", "llama3-fairscale")
+    assert sorted(k["key"] for k in doc["keys"]) == sorted(kept)  # safetensors sorts its keys
+    assert {k["key"]: k["shard_dim"] for k in doc["keys"]} == {k: dims.get(k) for k in kept}
+    rc, _, err = run(capsys, "verify", src, "--key-map", spec, "--read")
+    assert rc == 0 and "note" not in err, err
+    dst = tmp_path / "mp2"
+    rc, _, err = run(
+        capsys, "reshard", src, dst, "--tp", "2", "--shard-dims", "llama3-fairscale",
+        "--key-map", spec,
+    )
+    assert rc == 0, err
+    for r in range(2):
+        got = torch.load(dst / f"consolidated.{r:02d}.pth", weights_only=True)
+        assert sorted(got) == sorted(kept)
+        for k in kept:
+            want = expected(full[k], dims.get(k), lazyckpt.Layout(tp_size=2, tp_rank=r))
+            assert same_bits(got[k], want), k
+    # A key the checkpoint lacks renames nothing: said, not silent.
+    spec.write_text(json.dumps({"model.layers.0.attention.wq.weigth": "x", **mapping}))
+    rc, _, err = run(capsys, "plan", src, "--tp", "2", "--key-map", spec)
+    assert rc == 0, err
+    assert f"--key-map {spec}: 1 key(s) the checkpoint lacks, ignored: " in err
+    assert "'model.layers.0.attention.wq.weigth'" in err
+    for bad, message in (
+        ({"model.norm.weight": 3}, "maps to 3; give a new name"),
+        (["a"], "expected a JSON object"),
+    ):
+        spec.write_text(json.dumps(bad))
+        rc, _, err = run(capsys, "inspect", src, "--key-map", spec)
+        assert rc == 2 and message in err, err
+    rc, _, err = run(capsys, "inspect", src, "--key-map", tmp_path / "missing.json")
+    assert rc == 2 and "is not a file" in err
+
+
+def test_verify_goes_on_past_a_bad_key_under_a_key_map(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # verify drops each bad key and indexes again; the user's --key-map must still apply then.
+    folder, full, _dims = mp4
+    wq = "layers.0.attention.wq.weight"
+    shard = torch.chunk(full[wq], 4, 0)[2]
+    _resave(folder / "consolidated.02.pth", {wq: torch.cat([shard, shard[:, :1]], 1).clone()})
+    spec = tmp_path / "map.json"
+    spec.write_text(json.dumps({"norm.weight": "final_norm.weight", "output.weight": None}))
+    rc, out, err = run(
+        capsys, "verify", folder, "--shard-dims", "llama3-fairscale", "--key-map", spec, "--read",
+        "--json",
+    )
+    doc = json.loads(out)
+    assert rc == 1 and len(doc["problems"]) == 1 and wq in doc["problems"][0], doc
+    assert doc["keys"] == len(full) - 1, doc  # output.weight stays dropped
+    assert "note" not in err, err
+
+
 # -- errors and exit codes -------------------------------------------------------------------
 
 
