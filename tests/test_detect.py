@@ -282,6 +282,11 @@ def test_a_set_of_numbered_files_without_its_index_must_be_whole(
     (tmp_path / names[1].replace("00002-of", "00004-of")).write_bytes((tmp_path / names[0]).read_bytes())
     with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="numbered outside the set of 3"):
         detect_loader(tmp_path).index(tmp_path)
+    # Only Hugging Face's numbering (the number as wide as the count) makes a set.
+    other = tmp_path / "other"
+    other.mkdir()
+    _save(other / f"ckpt-epoch-3-of-10{suffix}", {"w": torch.ones(2)})
+    assert list(dict(lazyckpt.get_model_checkpoint_loader().lazy_load(other, {}))) == ["w"]
 
 
 def test_torch_variants_beside_the_default_file_are_left_to_be_passed_by_name(tmp_path: Path) -> None:
@@ -299,6 +304,25 @@ def test_torch_variants_beside_the_default_file_are_left_to_be_passed_by_name(tm
     # A file named like a variant that holds other keys is another part of the model.
     torch.save({"vision.w": w}, tmp_path / "pytorch_model.vision.bin")
     assert set(dict(detect_loader(tmp_path).lazy_load(tmp_path, {}))) == {"w", "vision.w"}
+    # Keys compared as the load sees them: a key the key_map drops (a step count that is no
+    # tensor) is no difference, and no error.
+    (tmp_path / "pytorch_model.vision.bin").unlink()
+    torch.save({"w": w, "step": 3}, tmp_path / "pytorch_model.bin")
+    torch.save({"w": w.half(), "step": 3}, tmp_path / "pytorch_model.fp16.bin")
+    options = lazyckpt.ModelCheckpointLoadOptions(key_map={"step": None})
+    got = dict(detect_loader(tmp_path).lazy_load(tmp_path, {}, options))
+    assert list(got) == ["w"] and same_bits(got["w"], w)
+    # A variant's own index beside the default file is not the folder's index.
+    folder = tmp_path / "variant-index"
+    folder.mkdir()
+    torch.save({"w": w}, folder / "pytorch_model.bin")
+    torch.save({"w": w.half()}, folder / "pytorch_model.fp16-00001-of-00001.bin")
+    (folder / "pytorch_model.fp16.bin.index.json").write_text(
+        json.dumps({"weight_map": {"w": "pytorch_model.fp16-00001-of-00001.bin"}})
+    )
+    loader = detect_loader(folder)
+    assert dict(loader.lazy_load(folder, {}))["w"].dtype == torch.float32
+    assert any("fp16.bin.index.json: the index of a variant" in n for n in loader.index(folder).notes)
 
 
 @pytest.mark.parametrize(
@@ -322,7 +346,17 @@ def test_a_peft_adapter_beside_the_weights_is_not_merged_into_them(
     got = dict(loader.lazy_load(tmp_path, {}))
     assert list(got) == ["layer.weight"] and torch.equal(got["layer.weight"], w)
     assert any(f"{adapter}: a PEFT adapter" in n for n in loader.index(tmp_path).notes)
-    # Passed by name, or alone in its folder, the adapter is the checkpoint.
+    # Passed by name, or alone in its folder, the adapter is the checkpoint, and not noted
+    # as left out; beside its copy in the other format, that copy is noted as such.
     assert list(dict(detect_loader(tmp_path / adapter).lazy_load(tmp_path / adapter, {}))) == [lora]
     (tmp_path / weights).unlink()
-    assert list(dict(detect_loader(tmp_path).lazy_load(tmp_path, {}))) == [lora]
+    loader = detect_loader(tmp_path)
+    assert list(dict(loader.lazy_load(tmp_path, {}))) == [lora]
+    assert not any("PEFT" in n for n in loader.index(tmp_path).notes)
+    twin = "adapter_model.bin" if adapter.endswith(".safetensors") else "adapter_model.safetensors"
+    _save(tmp_path / twin, {lora: torch.ones(1, 3)})
+    loader = detect_loader(tmp_path)
+    assert loader.name == "safetensors" and list(dict(loader.lazy_load(tmp_path, {}))) == [lora]
+    notes = loader.index(tmp_path).notes
+    assert not any("PEFT" in n for n in notes)
+    assert any("adapter_model.bin: the safetensors files beside it are loaded" in n for n in notes)

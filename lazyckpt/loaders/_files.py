@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lazyckpt.errors import CorruptModelCheckpointError
+from lazyckpt.errors import CorruptModelCheckpointError, ModelCheckpointError
 from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, TensorEntry, add_entry
 from lazyckpt.loader import KeyRules
 from lazyckpt.paths import list_files, member_path, names_ending
@@ -22,6 +22,7 @@ __all__ = [
     "FileSet",
     "FileTensor",
     "adapter_files",
+    "all_adapters",
     "build_file_set_index",
     "check_complete",
     "find_index_file",
@@ -47,8 +48,12 @@ ADAPTER = re.compile(r"adapter_model\.(safetensors|bin)")
 """The file PEFT saves an adapter (LoRA, ...) in, beside the model's weights or alone."""
 _NUMBERED = re.compile(r"(.+)-(\d+)-of-(\d+)(\.[^-]+)")
 """A file of a sharded set (``model-00001-of-00004.safetensors``): its prefix, its number, the
-set's count and its suffix."""
-_HF_VARIANT_INDEX = re.compile(r"(model|diffusion_pytorch_model)\.[^.]+\.safetensors\.index\.json")
+set's count and its suffix; Hugging Face's writers pad the number to the count's width, which
+tells their sets from names such as ``ckpt-epoch-3-of-10.pt``."""
+_HF_VARIANT_INDEX = {
+    ".safetensors": re.compile(r"(model|diffusion_pytorch_model)\.[^.]+\.safetensors\.index\.json"),
+    ".bin": re.compile(r"(pytorch_model|diffusion_pytorch_model)\.[^.]+\.bin\.index\.json"),
+}
 
 
 def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
@@ -100,12 +105,32 @@ def leave_out_variants(file_set: FileSet, suffix: str, keys: Callable[[Path], se
     """Take the Hugging Face variants of the default weights out of a folder's ``file_set``
     (noted), as transformers and diffusers load the default where no variant is asked for:
     those of :func:`hf_variants` whose keys (``keys`` of a file) equal the default file's, the
-    same weights in another dtype, say, not another part of the model."""
+    same weights in another dtype, say, not another part of the model. ``keys`` of a file that
+    cannot be read leave it in, for the load to say what is wrong with it."""
     folder = file_set.path
+    known: dict[str, set[str] | None] = {}
+
+    def keys_of(name: str) -> set[str] | None:  # None: unreadable, so it is loaded and told
+        if name not in known:
+            try:
+                known[name] = keys(folder / name)
+            except (ModelCheckpointError, OSError):
+                known[name] = None
+        return known[name]
+
+    def same_keys(default: str, names: list[str]) -> bool:
+        want, union = keys_of(default), set()
+        for n in names:
+            found = keys_of(n)
+            if found is None:
+                return False
+            union |= found
+        return want is not None and union == want
+
     variants = sorted(
         name
         for (default, _), names in hf_variants([f.name for f in file_set.files], suffix).items()
-        if set().union(*(keys(folder / n) for n in names)) == keys(folder / default)
+        if same_keys(default, names)
         for name in names
     )
     file_set.files = [f for f in file_set.files if f.name not in variants]
@@ -125,6 +150,11 @@ def adapter_files(names: Sequence[str]) -> list[str]:
     return found if len(found) < len(names) else []
 
 
+def all_adapters(files: Sequence[Path]) -> bool:
+    """Whether a folder's ``files`` to load are PEFT adapters only (its checkpoint is one)."""
+    return all(ADAPTER.fullmatch(f.name) for f in files)
+
+
 def check_complete(file_set: FileSet) -> None:
     """Refuse a folder set without an index whose numbered files (``model-00001-of-00002``)
     are not all there: a download that stopped, or a shard deleted, would load part of the
@@ -132,7 +162,7 @@ def check_complete(file_set: FileSet) -> None:
     groups: dict[tuple[str, str, str], set[int]] = {}
     for f in file_set.files:
         m = _NUMBERED.fullmatch(f.name)
-        if m is not None:
+        if m is not None and len(m.group(2)) == len(m.group(3)) and m.group(2).isascii():
             prefix, number, count, suffix = m.groups()
             groups.setdefault((prefix, count, suffix), set()).add(int(number))
     for (prefix, count, suffix), numbers in sorted(groups.items()):
@@ -158,17 +188,17 @@ def check_complete(file_set: FileSet) -> None:
         )
 
 
-def hf_variant_indexes(names: Sequence[str]) -> set[str]:
-    """Of a folder's ``names``, the index files of Hugging Face variants
-    (``diffusion_pytorch_model.fp16.safetensors.index.json``) where their family's default
-    (``diffusion_pytorch_model.safetensors`` or its index) is there too: the default is the
-    checkpoint, as Hugging Face loads it where no variant is asked for."""
+def hf_variant_indexes(names: Sequence[str], suffix: str) -> set[str]:
+    """Of a folder's ``names``, the index files of Hugging Face variants in the format of
+    ``suffix`` (``diffusion_pytorch_model.fp16.safetensors.index.json``) where their family's
+    default (``diffusion_pytorch_model.safetensors`` or its index) is there too: the default is
+    the checkpoint, as Hugging Face loads it where no variant is asked for."""
     have = set(names)
     out = set()
     for n in names:
-        m = _HF_VARIANT_INDEX.fullmatch(n)
+        m = _HF_VARIANT_INDEX[suffix].fullmatch(n)
         if m is not None and (
-            f"{m.group(1)}.safetensors" in have or f"{m.group(1)}.safetensors.index.json" in have
+            f"{m.group(1)}{suffix}" in have or f"{m.group(1)}{suffix}.index.json" in have
         ):
             out.add(n)
     return out
@@ -274,7 +304,7 @@ def folder_file_set(
     # PEFT adapters beside the weights, of this format (left out) or the other (noted only).
     adapters = set(adapter_files([f.name for f in files]))
     files = [f for f in files if f.name not in adapters]
-    if files:
+    if not all_adapters(files):
         adapters.update(
             n for n in names_ending(folder, (".safetensors", ".bin")) if ADAPTER.fullmatch(n)
         )

@@ -30,6 +30,7 @@ from lazyckpt.loaders._files import (
     ADAPTER,
     FileSet,
     FileTensor,
+    all_adapters,
     build_file_set_index,
     check_complete,
     find_index_file,
@@ -389,7 +390,7 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
                 return read_hf_index(path, (SUFFIX,))
             return FileSet(path, [path])
         listing = names_ending(path, (SUFFIX, INDEX_SUFFIX))
-        variant_indexes = hf_variant_indexes(listing)
+        variant_indexes = hf_variant_indexes(listing, SUFFIX)
         index = find_index_file(
             path,
             INDEX_SUFFIX,
@@ -412,7 +413,8 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
                 for n in os.listdir(path)
                 if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES)
                 and not TRAINER_STATE.fullmatch(n)
-                and not ADAPTER.fullmatch(n)  # noted by folder_file_set
+                # noted by folder_file_set, unless the checkpoint is an adapter
+                and not (ADAPTER.fullmatch(n) and not all_adapters(file_set.files))
             )
             notes += [  # detection chose these files over the torch ones (torch_twins)
                 f"ignored {n}: the safetensors files beside it are loaded, as Hugging Face "

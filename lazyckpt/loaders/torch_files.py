@@ -17,6 +17,7 @@ from lazyckpt.loaders._files import (
     check_complete,
     find_index_file,
     folder_file_set,
+    hf_variant_indexes,
     leave_out_variants,
     read_hf_index,
 )
@@ -90,25 +91,41 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
         def read(p: Path) -> list[FileTensor]:
             return read_torch_file(p, restrict=options.restrict, keep=rules.wants, notes=notes)
 
-        index = build_file_set_index(self.file_set(path, options.restrict), self.name, read, rules)
+        file_set = self.file_set(path, options.restrict, rules.wants)
+        index = build_file_set_index(file_set, self.name, read, rules)
         index.notes += notes
         return index
 
     @staticmethod
-    def file_set(path: Path, restrict: bool = True) -> FileSet:
+    def file_set(
+        path: Path, restrict: bool = True, keep: Callable[[str], bool] | None = None
+    ) -> FileSet:
+        """The files to load; ``restrict`` and ``keep`` (the key map's keys) as the load reads
+        them, for the keys of variants to be compared as the load would see them."""
         if path.is_file():
             if path.name.endswith(INDEX_SUFFIXES):
                 return read_hf_index(path, SUFFIXES)
             return FileSet(path, [path])
+        listing = names_ending(path, (*INDEX_SUFFIXES, ".bin"))
+        variant_indexes = hf_variant_indexes(listing, ".bin")
         for suffix in INDEX_SUFFIXES:
-            index = find_index_file(path, suffix, "pytorch_model" + suffix)
+            index = find_index_file(
+                path, suffix, "pytorch_model" + suffix, variant_indexes, listing
+            )
             if index is not None:
-                return read_hf_index(index, SUFFIXES)
-        file_set = folder_file_set(path, SUFFIXES, skip=TRAINER_STATE)
+                file_set = read_hf_index(index, SUFFIXES)
+                break
+        else:
+            file_set = folder_file_set(path, SUFFIXES, skip=TRAINER_STATE)
 
-        def keys(p: Path) -> set[str]:
-            return set(read_torch_archive(p, restrict=restrict).state_dict())
+            def keys(p: Path) -> set[str]:
+                return set(read_torch_archive(p, restrict=restrict).state_dict(keep))
 
-        leave_out_variants(file_set, ".bin", keys)
-        check_complete(file_set)
+            leave_out_variants(file_set, ".bin", keys)
+            check_complete(file_set)
+        file_set.notes += [
+            f"ignored {n}: the index of a variant of the default weights beside it, loaded "
+            "only where asked for (as Hugging Face does): pass the index to load it"
+            for n in sorted(variant_indexes)
+        ]
         return file_set
