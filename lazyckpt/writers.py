@@ -513,13 +513,18 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     try:
         try:
             tmp = Path(
-                tempfile.mkdtemp(prefix=_hidden(dst), suffix=".lazyckpt-tmp", dir=dst.parent)
+                tempfile.mkdtemp(
+                    prefix=f"{_hidden(dst)}{os.getpid()}-", suffix=_WORK_SUFFIX, dir=dst.parent
+                )
             )
         except OSError as exc:  # it names the hidden folder, which the user never asked for
             raise type(exc)(
                 exc.errno, f"{exc.strerror}: cannot make a folder in {dst.parent} to write {dst}"
             ) from None
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is a plain folder
+        if empty_dir:  # the folder prepared for it: keep its group and mode (setgid included)
+            _take_place_of(tmp, dst)
+        else:
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is plain
         yield tmp
         _fsync_dir(tmp)
         with _interrupts_deferred(f"{dst} was written"):
@@ -528,6 +533,45 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     finally:
         if tmp is not None:
             _remove_all(tmp, created)
+
+
+def _take_place_of(tmp: Path, dst: Path) -> None:
+    """Give ``tmp`` the group and mode of the empty folder ``dst`` it will replace (a shared
+    folder made group-writable and setgid for a team), before anything is written in it, so
+    that the files take its group too. The group is kept where this user may set it."""
+    st = dst.stat()
+    with contextlib.suppress(OSError):
+        os.chown(tmp, -1, st.st_gid)
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+
+
+def stale_work_folders(dst: str | os.PathLike[str]) -> list[Path]:
+    """The work folders beside ``dst`` left by earlier runs that were killed outright
+    (SIGKILL, the OOM killer, a power cut: every other ending removes them), whose process is
+    gone: hidden, they would hold a partial checkpoint's disk space unseen."""
+    dst = Path(os.path.abspath(dst))
+    prefix = _hidden(dst)
+    try:
+        names = os.listdir(dst.parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _WORK_NAME.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+        if m is None or (m.group(1) is not None and _alive(int(m.group(1)))):
+            continue  # not one of dst's, or a run writing now
+        found.append(dst.parent / name)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it exists
+        return True
+    return True
 
 
 def _check_replaceable(dst: Path) -> None:
@@ -569,6 +613,12 @@ def _remove_all(tmp: Path, created: Sequence[Path]) -> None:
             interrupt = exc
     if interrupt is not None:
         raise interrupt
+
+
+_WORK_SUFFIX = ".lazyckpt-tmp"
+"""The end of a work folder's name: ``.{dst name}.{pid}-{random}.lazyckpt-tmp``."""
+_WORK_NAME = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}\.lazyckpt-tmp")
+"""What follows ``.{dst name}.`` in a work folder's name (no pid before 2026-11-28)."""
 
 
 def _hidden(dst: Path) -> str:
@@ -700,6 +750,8 @@ class ReshardResult:
     tensors: int
     bytes_written: int
     stats: LoadStats = field(default_factory=LoadStats)
+    index_file: str | None = None
+    """The Hugging Face index written beside the files (``--tp 1 --dp 1`` safetensors)."""
 
 
 def _specs(plans: Sequence[TensorPlan], dtype: torch.dtype | None) -> list[TensorSpec]:
@@ -839,9 +891,13 @@ def reshard(
     # A Hugging Face index file stands for its folder; a lone weights file has no sidecars.
     in_folder = src_path.is_dir() or src_path.name.endswith(".index.json")
     sidecars = [n for n in SIDECARS if in_folder and (src_root / n).is_file()]
+    sidecar_bytes = {n: _read_sidecar(src_root / n, dtype) for n in sidecars}  # fail before
     if base.verify_replicas:
         _check_replicas(index, shard_dims, base)
     total = sum(o.nbytes for o in outputs)
+    index_file = (
+        "model.safetensors.index.json" if fmt == "safetensors" and tp == 1 and dp == 1 else None
+    )
     bar = byte_bar(total, "writing", enabled=progress)
     with bar, atomic_folder(dst_path, force=force) as tmp:
         by_layout: dict[Layout, list[OutputFile]] = {}
@@ -850,17 +906,14 @@ def reshard(
         for layout, files in by_layout.items():
             options = replace(base, layout=layout)
             _write_rank(loader, src_path, shard_dims, options, files, tmp, dst_path, bar)
-        if fmt == "safetensors" and tp == 1 and dp == 1:
+        if index_file is not None:
             weight_map = {s.key: o.name for o in outputs for s in o.specs}
             doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with _writing(dst_path / "model.safetensors.index.json"):
-                _write_small(
-                    tmp / "model.safetensors.index.json",
-                    json.dumps(doc, indent=2, sort_keys=True) + "\n",
-                )
-        for name in sidecars:
+            with _writing(dst_path / index_file):
+                _write_small(tmp / index_file, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        for name, data in sidecar_bytes.items():
             with _writing(dst_path / name):
-                _write_small(tmp / name, _sidecar(src_root / name, dtype))
+                _write_small(tmp / name, data)
     return ReshardResult(
         dst=dst_path,
         format=fmt,
@@ -870,6 +923,7 @@ def reshard(
         tensors=sum(len(o.specs) for o in outputs),
         bytes_written=total,
         stats=stats,
+        index_file=index_file,
     )
 
 
@@ -899,6 +953,17 @@ def _check_replicas(
 
 
 _HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _read_sidecar(path: Path, dtype: torch.dtype | None) -> bytes:
+    """:func:`_sidecar`, read before anything is written: an unreadable one fails at once,
+    named as the source it is, not after every tensor as a file that could not be written."""
+    try:
+        return _sidecar(path, dtype)
+    except OSError as exc:
+        raise type(exc)(
+            exc.errno, f"{exc.strerror}: cannot read {path} to copy it beside the weights"
+        ) from None
 
 
 def _sidecar(path: Path, dtype: torch.dtype | None) -> bytes:

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -713,6 +714,78 @@ def test_reshard_sidecars_and_file_modes(capsys: pytest.CaptureFixture[str], tmp
     assert (tmp_path / "same" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
     assert set(modes.values()) == {0o664}, modes
+
+
+def test_reshard_refuses_a_source_whose_bytes_fail_their_crc(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Written out, a damaged record got a fresh CRC-32 that matched its bytes: the damage was
+    # gone from every later check. Now nothing is written, unless asked.
+    w = torch.arange(64.0).reshape(8, 8)
+    src = tmp_path / "w.pt"
+    torch.save({"w": w}, src)
+    raw = bytearray(src.read_bytes())
+    at = bytes(raw).find(w.numpy().tobytes())
+    raw[at + 100] ^= 0x40
+    src.write_bytes(raw)
+    dst = tmp_path / "out"
+    rc, _, err = run(capsys, "reshard", src, dst, "--tp", "2", "--shard-dims",
+                     _dims_file(tmp_path, {"w": 0}))
+    assert rc == 1 and "is damaged, so nothing was written" in err and "'w'" in err, err
+    assert not dst.exists()
+    rc, _, err = run(capsys, "reshard", src, dst, "--tp", "2", "--shard-dims",
+                     _dims_file(tmp_path, {"w": 0}), "--no-crc-check")
+    assert rc == 0, err
+    assert torch.load(dst / "consolidated.00.pth", weights_only=True)["w"].shape == (4, 8)
+
+
+def _dims_file(tmp_path: Path, dims: dict[str, int]) -> Path:
+    spec = tmp_path / "dims.json"
+    spec.write_text(json.dumps(dims))
+    return spec
+
+
+def test_reshard_destination_details(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = sample_state_dict()
+    folder = write_checkpoint("safetensors-index", sd, tmp_path / "hf")
+    # A sidecar that cannot be read fails before any tensor is written, named as the source.
+    (folder / "config.json").symlink_to("/proc/self/mem")  # a regular file whose read fails
+    rc, _, err = run(capsys, "reshard", folder, tmp_path / "x", "--tp", "1", "--format",
+                     "safetensors")
+    assert rc == 1 and f"cannot read {folder / 'config.json'}" in err, err
+    assert not (tmp_path / "x").exists()
+    (folder / "config.json").unlink()
+    # An empty folder prepared for the output keeps its mode (setgid) and group; files inside
+    # take the group.
+    dst = tmp_path / "shared"
+    dst.mkdir()
+    gid = 65534 if os.geteuid() == 0 else os.getgid()
+    os.chown(dst, -1, gid)
+    os.chmod(dst, 0o2770)
+    doc = run_json(capsys, "reshard", folder, dst, "--tp", "1", "--format", "safetensors")
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o2770 and dst.stat().st_gid == gid
+    assert {p.stat().st_gid for p in dst.iterdir()} == {gid}
+    # The index written is listed with the files.
+    assert doc["index"] == "model.safetensors.index.json"
+    assert sorted(os.listdir(dst)) == sorted([f["name"] for f in doc["files"]] + [doc["index"]])
+    # Work folders of killed runs into the same destination are named; a live run's, or
+    # another destination's, are not.
+    out = tmp_path / "out"
+    dead = tmp_path / ".out.999999999-abcd1234.lazyckpt-tmp"
+    for name in (dead.name, f".out.{os.getpid()}-abcd1234.lazyckpt-tmp",
+                 ".out.b.999999999-abcd1234.lazyckpt-tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 3000)
+    rc, _, err = run(capsys, "reshard", folder, out, "--tp", "1", "--format", "safetensors")
+    assert rc == 0, err
+    assert err.count("work folder of an earlier reshard") == 1 and str(dead) in err, err
+    # Written over the current folder: the shell is left in the replaced one, so it is said.
+    monkeypatch.chdir(out)
+    rc, _, err = run(capsys, "reshard", folder, ".", "--tp", "1", "--format", "safetensors",
+                     "--force")
+    assert rc == 0 and "was the current folder" in err, err
 
 
 def test_reshard_into_a_folder_with_the_longest_name(
