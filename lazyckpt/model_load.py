@@ -287,11 +287,14 @@ def load_into(
     their local shard, read straight from the source. ``shard_dims`` says how a model-parallel
     source is split; left out, it is inferred from the model's shapes. With ``strict`` a key
     missing on either side raises :class:`KeyMismatchError` before anything is read; shape
-    mismatches always do. ``options.layout``, ``mesh``, ``dtype``, ``contiguous`` and
-    ``prefetch_bytes`` do not apply: each target's own box, dtype and storage decide (a
-    checkpoint tensor is cast to its target's dtype), and nothing is read ahead of its place.
+    mismatches always do. Each target's own box, dtype and storage decide what it gets (a
+    checkpoint tensor is cast to its target's dtype): ``options.layout`` (but ``Layout()``),
+    ``mesh`` and ``dtype`` are refused with a ``ValueError`` before anything is read, rather
+    than ignored; ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out,
+    nothing is read ahead of its place).
     """
     options = options_or_default(options)
+    _refuse_unused_options(options)
     _reshard_fsdp(model)
     targets, extras = _targets(model)
     # The device only serves meta tensors, which are made there: refused only if it would be.
@@ -335,15 +338,21 @@ def load_into(
         entry = index.entries.get(key)
         if entry is not None:
             targets[key] = _Target(torch.empty(entry.shape, dtype=entry.dtype, device="meta"), [])
-    mismatched = [
-        f"{key}: checkpoint {entry.shape}, model {targets[key].global_shape}"
-        for key, entry in index.entries.items()
-        if entry.shape != targets[key].global_shape
+    reshaped = [
+        key for key, entry in index.entries.items() if entry.shape != targets[key].global_shape
     ]
-    if mismatched:
+    if reshaped:
+        mismatched = [
+            f"{key}: checkpoint {index.entries[key].shape}, model {targets[key].global_shape}"
+            for key in reshaped
+        ]
         raise KeyMismatchError(
             f"{index.path}: shapes differ between checkpoint and model for "
-            f"{len(mismatched)} key(s): " + "; ".join(mismatched[:10]),
+            f"{len(mismatched)} key(s): "
+            + "; ".join(mismatched[:10])
+            + _tp_shard_hint(
+                {key: (index.entries[key].shape, targets[key]) for key in reshaped}, extras
+            ),
             report,
         )
     unconvertible = [
@@ -367,7 +376,7 @@ def load_into(
             f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
             f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
             f"{' ...' if len(report.unexpected) > 20 else ''}; pass strict=False to load the "
-            f"common keys, or options.key_map to rename{_prefix_hint(report)}"
+            f"common keys, or options.key_map to rename{_prefix_hint(report, list(index.entries))}"
             f"{_notes_hint(index.notes)}",
             report,
         )
@@ -435,6 +444,94 @@ def load_into(
     return report
 
 
+def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
+    """Refuse the options that would have ``load_into`` load something else than what it loads:
+    a layout or mesh (each tensor's own box decides: a plain tensor's whole key, a DTensor's
+    local shard), a dtype (each tensor's own dtype decides). Ignored, a rank-local model given
+    its ``Layout`` failed on shapes, naming no fix, and a meta model asked for bfloat16 came
+    out in float32 without a word. ``Layout()`` (whole tensors) is what ``load_into`` does for
+    a plain tensor, and is taken. ``contiguous`` and ``prefetch_bytes`` are taken: no view is
+    handed out and nothing is read ahead, whatever they say."""
+    said = []
+    refused = []
+    named = []  # each as said, with its value where one helps
+    if options.layout is not None and options.layout != Layout():
+        refused.append("options.layout")
+        named.append(f"options.layout ({options.layout})")
+    if options.mesh is not None:
+        refused.append("options.mesh")
+        named.append("options.mesh")
+    if named:
+        said.append(
+            f"{' or '.join(named)}: each tensor's own box decides what it reads, a plain "
+            "tensor its whole key, a DTensor (FSDP2, TP) its local shard from its own mesh and "
+            "placements. For a rank-local model of plain tensors (fairscale's "
+            "ColumnParallelLinear, RowParallelLinear), load its rank's tensors with "
+            "lazyckpt.get_model_checkpoint_loader().lazy_load(path, shard_dims, "
+            "ModelCheckpointLoadOptions(layout=Layout(tp_size=..., tp_rank=...))) and pass them "
+            "to model.load_state_dict (or copy_ each one)"
+        )
+    if options.dtype is not None:
+        refused.append("options.dtype")
+        said.append(
+            f"options.dtype ({options.dtype}): each checkpoint tensor is cast to the dtype of "
+            "the model's tensor it fills; give the model that dtype first "
+            f"(model.to({options.dtype}), which a meta model takes too)"
+        )
+    if said:
+        raise ValueError(
+            f"load_into takes no {'; nor '.join(said)}; leave {', '.join(refused)} None"
+        )
+
+
+_MAX_TP_SIZE = 64
+"""The largest tensor-parallel size :func:`_tp_shard_hint` tries."""
+
+
+def _tp_sizes(full: int, local: int) -> set[int]:
+    """The TP sizes (2 to ``_MAX_TP_SIZE``) for which a ``torch.chunk`` of ``full`` elements
+    has ``local`` in it."""
+    sizes = set()
+    for n in range(2, min(full, _MAX_TP_SIZE) + 1):
+        size = -(-full // n)
+        if local == size or (local == full % size and local):
+            sizes.add(n)
+    return sizes
+
+
+def _tp_shard_hint(
+    shapes: Mapping[str, tuple[tuple[int, ...], _Target]], extras: Mapping[str, nn.Module]
+) -> str:
+    """For keys whose shapes differ (each the checkpoint's shape and its target), where every
+    target is a plain tensor of the checkpoint's shape cut on one dim as ``torch.chunk`` cuts it
+    for one TP size: that a rank-local model (fairscale's parallel layers) is loaded through
+    ``lazy_load`` with a ``Layout``; else empty."""
+    dims: dict[str, int] = {}
+    common: set[int] | None = None
+    for key, (full, target) in shapes.items():
+        local = target.global_shape
+        if target.is_dtensor or key in extras or len(full) != len(local):
+            return ""
+        cut = [d for d in range(len(full)) if full[d] != local[d]]
+        if len(cut) != 1:
+            return ""
+        d = dims[key] = cut[0]
+        fits = _tp_sizes(full[d], local[d])
+        common = fits if common is None else common & fits
+        if not common:
+            return ""
+    tp = "..." if not common else str(min(common))
+    said = ", ".join(f"{k!r}: {d}" for k, d in list(dims.items())[:10])
+    return (
+        f"; the model's tensors are the checkpoint's cut on one dim ({{{said}}}), as one rank "
+        "of a tensor-parallel model of plain tensors holds them (fairscale's parallel layers): "
+        "load_into fills a plain tensor with its whole key; load such a model's rank with "
+        "lazyckpt.get_model_checkpoint_loader().lazy_load(path, shard_dims, "
+        f"ModelCheckpointLoadOptions(layout=Layout(tp_size={tp}, tp_rank=...))) and pass what "
+        "it yields to model.load_state_dict (or copy_ each tensor)"
+    )
+
+
 def _notes_hint(notes: Sequence[str]) -> str:
     """The index's notes (what it left out: a training checkpoint's optimizer state, a pickled
     object), where they may say where missing keys went; else empty."""
@@ -444,12 +541,18 @@ def _notes_hint(notes: Sequence[str]) -> str:
     return "; the checkpoint's index notes: " + "; ".join(notes[:3]) + more
 
 
-def _prefix_hint(report: LoadReport) -> str:
+def _prefix_hint(report: LoadReport, matched: Sequence[str]) -> str:
     """The ``key_map`` that mends the usual cause of a mismatch, a prefix one side's keys carry
     and the other's lack: a DCP save of ``{"model": model.state_dict(), "optim": ...}`` (keys
     ``model.*``), a ``DistributedDataParallel`` (``module.*``) or ``torch.compile``
     (``_orig_mod.*``) model. Said only where the prefix accounts for at least half the missing
-    keys; else empty."""
+    keys; else empty.
+
+    The ``key_map`` given loads the model when copied as written: ``matched``, the checkpoint
+    keys that already name a model key (a Hugging Face checkpoint's ``lm_head.weight`` beside
+    its ``model.*`` keys), keep their names; the unexpected keys are renamed (or, stripping a
+    prefix, those without it dropped) as the prefix says. Of the lambdas that do so, the
+    shortest is given."""
     missing, unexpected = set(report.missing), set(report.unexpected)
     if not missing or not unexpected:
         return ""
@@ -470,14 +573,80 @@ def _prefix_hint(report: LoadReport) -> str:
     if max(stripped, added) * 2 < len(missing):
         return ""
     if stripped >= added:
+        return _strip_hint(strip, stripped, matched, unexpected)
+    return _add_hint(add, added, matched, unexpected)
+
+
+_HINT_KEYS = 20
+"""The most keys a suggested ``key_map`` names; past it the hint says what the map must do."""
+
+
+def _keys_literal(keys: Sequence[str]) -> str:
+    """A set display of ``keys`` (sorted: the message is the same run to run)."""
+    return "{" + ", ".join(repr(k) for k in sorted(keys)) + "}"
+
+
+def _key_map_hint(
+    said: str, candidates: Sequence[tuple[str, int]], matched: int, what: str, note: str
+) -> str:
+    """``said``, then the shortest of ``candidates`` (a lambda's body, how many keys it names)
+    as the ``key_map`` that loads the model; where each names more than ``_HINT_KEYS`` keys,
+    ``what`` the map must do instead."""
+    body, named = min(candidates, key=lambda c: (c[1], len(c[0])))
+    if named > _HINT_KEYS:
         return (
-            f"; {stripped} checkpoint key(s) are the model's under the prefix {strip!r}: "
-            f"key_map=lambda k: k.removeprefix({strip!r}) if k.startswith({strip!r}) else None "
-            "loads them (and drops the checkpoint's other keys)"
+            f"; {said}: a key_map that {what} and keeps the {matched} checkpoint keys that "
+            "already match as they are loads them"
         )
-    return (
-        f"; {added} model key(s) are the checkpoint's under the prefix {add!r}: "
-        f"key_map=lambda k: {add!r} + k loads them"
+    return f"; {said}: key_map=lambda k: {body} loads them{note}"
+
+
+def _strip_hint(prefix: str, count: int, matched: Sequence[str], unexpected: set[str]) -> str:
+    """The hint for checkpoint keys that are the model's under ``prefix``: the unexpected keys
+    with it lose it, the other unexpected keys are dropped, the matched keys stay."""
+    p = repr(prefix)
+    cut = f"k.removeprefix({p})"
+    others = [k for k in unexpected if not k.startswith(prefix)]  # to drop
+    prefixed = [k for k in matched if k.startswith(prefix)]  # cutting would rename them
+    # What has the prefix loses it, the rest is dropped: but the matched keys.
+    drop_rest = f"{cut} if k.startswith({p}) else None"
+    if matched:
+        drop_rest = f"k if k in {_keys_literal(matched)} else ({drop_rest})"
+    # What has the prefix loses it (but the matched keys), the unexpected rest is dropped.
+    keep_rest = cut
+    if others:
+        keep_rest = f"{cut} if k.startswith({p}) else (None if k in {_keys_literal(others)} else k)"
+    if prefixed:
+        keep_rest = f"k if k in {_keys_literal(prefixed)} else ({keep_rest})"
+    candidates = [(drop_rest, len(matched)), (keep_rest, len(others) + len(prefixed))]
+    kept = " (keeps the keys that already match" if matched else " ("
+    dropped = "drops the checkpoint's other keys" if others else ""
+    note = kept + (" and " if matched and others else "") + dropped + ")"
+    return _key_map_hint(
+        f"{count} checkpoint key(s) are the model's under the prefix {p}",
+        candidates,
+        len(matched),
+        f"cuts {p} off them" + (", drops the checkpoint's other unexpected keys" if others else ""),
+        note if matched or others else "",
+    )
+
+
+def _add_hint(prefix: str, count: int, matched: Sequence[str], unexpected: set[str]) -> str:
+    """The hint for model keys that are the checkpoint's under ``prefix``: the unexpected keys
+    take it, the matched keys stay."""
+    p = repr(prefix)
+    candidates = [(f"{p} + k", 0)]
+    if matched:  # name the keys to keep, or those to rename
+        candidates = [
+            (f"k if k in {_keys_literal(matched)} else {p} + k", len(matched)),
+            (f"{p} + k if k in {_keys_literal(list(unexpected))} else k", len(unexpected)),
+        ]
+    return _key_map_hint(
+        f"{count} model key(s) are the checkpoint's under the prefix {p}",
+        candidates,
+        len(matched),
+        f"puts {p} before the unexpected keys",
+        " (and keeps the keys that already match)" if matched else "",
     )
 
 

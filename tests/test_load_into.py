@@ -227,12 +227,195 @@ def test_no_prefix_hint_where_the_keys_simply_differ(tmp_path: Path) -> None:
     assert "under the prefix" not in str(info.value)
 
 
+class _Base(nn.Module):
+    """A Hugging Face base model: what ``model.*`` holds in a ``*ForCausalLM``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.layer = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+
+class _CausalLM(nn.Module):
+    """``model.*`` keys beside an unprefixed ``lm_head.weight``, as Hugging Face saves them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Base()
+        self.lm_head = nn.Linear(4, 5, bias=False)
+
+
+class _Flat(_Base):
+    """The same tensors, in the same order, with no ``model.`` prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(4, 5, bias=False)
+
+
+class _DDP(nn.Module):
+    """``_Flat`` held as ``module``, as DistributedDataParallel holds it: every key prefixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = _Flat()
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+@pytest.mark.parametrize(
+    ("source", "target", "extra", "prefix", "keeps"),
+    [
+        (_CausalLM, _Flat, False, "model.", True),  # strip 'model.', keep lm_head.weight
+        (_CausalLM, _Flat, True, "model.", True),  # ... and drop a key matching nothing
+        (_Flat, _CausalLM, False, "model.", True),  # add 'model.', but not to lm_head.weight
+        (_Flat, _CausalLM, True, "model.", True),
+        (_DDP, _Flat, False, "module.", False),  # every key prefixed, as before
+        (_DDP, _Flat, True, "module.", False),
+        (_Flat, _DDP, False, "module.", False),
+    ],
+)
+def test_the_suggested_key_map_loads_the_model_as_written(
+    tmp_path: Path,
+    fmt: str,
+    source: type[nn.Module],
+    target: type[nn.Module],
+    extra: bool,
+    prefix: str,
+    keeps: bool,
+) -> None:
+    """A checkpoint of ``model.*`` keys and an unprefixed ``lm_head.weight``, into a model
+    without the prefix (or the reverse): the hint's key_map, followed as written, dropped
+    ``lm_head.weight`` (or renamed it away) and the load failed again. The hint is followed
+    literally here, from the message's own text."""
+    torch.manual_seed(0)
+    truth = dict(source().state_dict())
+    if extra:
+        truth["optim.step"] = torch.ones(3)  # matches nothing on either side
+    path = tmp_path / f"ckpt.{fmt}"
+    if fmt == "pt":
+        torch.save(truth, path)
+    else:
+        save_file({k: v.contiguous() for k, v in truth.items()}, path)
+    with pytest.raises(lazyckpt.KeyMismatchError, match=f"under the prefix '{prefix}'") as info:
+        lazyckpt.load_into(target(), path)
+    message = str(info.value)
+    key_map = _suggested_key_map(message)
+    model = target()
+    options = lazyckpt.ModelCheckpointLoadOptions(key_map=key_map)
+    if extra and key_map("optim.step") is not None:  # renamed, not dropped: as the hint said
+        assert "drops" not in message
+        report = lazyckpt.load_into(model, path, options=options, strict=False)
+        assert report.unexpected == [key_map("optim.step")]
+    else:
+        report = lazyckpt.load_into(model, path, options=options)
+        assert not report.unexpected
+    assert not report.missing and len(report.loaded) == 6
+    got = list(model.state_dict().values())  # the same tensors in the same order
+    assert all(torch.equal(a, b) for a, b in zip(got, list(truth.values())[:6], strict=True))
+    assert ("keeps the keys that already match" in message) == keeps, message
+
+
 def test_shape_mismatch_always_raises(tmp_path: Path) -> None:
     truth = odd_model_truth()
     truth["up.weight"] = torch.zeros(8, 6)
     torch.save(truth, tmp_path / "bad.pt")
     with pytest.raises(lazyckpt.KeyMismatchError, match=r"up.weight: checkpoint \(8, 6\), model \(7, 6\)"):
         lazyckpt.load_into(OddModel(), tmp_path / "bad.pt", strict=False)
+
+
+def test_options_load_into_does_not_honour_are_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """``options.layout`` and ``options.dtype`` were ignored without a word: a rank-local model
+    given its ``Layout`` failed on shapes naming no fix, and a meta model asked for bfloat16
+    came out in float32. Refused up front, saying what to do instead."""
+    torch.manual_seed(0)
+    full = nn.Linear(8, 8)
+    torch.save(full.state_dict(), tmp_path / "full.pt")
+    options = lazyckpt.ModelCheckpointLoadOptions
+    tp2 = lazyckpt.Layout(tp_size=2, tp_rank=1)
+    local = nn.Linear(8, 4)  # what a ColumnParallelLinear holds on TP rank 1 of 2
+    before = {k: v.clone() for k, v in local.state_dict().items()}
+    dims = {"weight": 0, "bias": 0}
+    with pytest.raises(ValueError, match=r"options\.layout \(tp 1/2.*own mesh and placements.*lazy_load") as info:
+        lazyckpt.load_into(local, tmp_path / "full.pt", shard_dims=dims, options=options(layout=tp2))
+    assert "dtype" not in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in local.state_dict().items())
+    with torch.device("meta"):
+        meta = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"options\.dtype \(torch\.bfloat16\).*model\.to\(torch\.bfloat16\)"):
+        lazyckpt.load_into(meta, tmp_path / "full.pt", options=options(dtype=torch.bfloat16))
+    assert meta.weight.is_meta
+    with pytest.raises(ValueError, match=r"layout.*; nor options\.dtype.*leave options\.layout, options\.dtype None"):
+        lazyckpt.load_into(meta, tmp_path / "full.pt", options=options(dtype=torch.float16, layout=tp2))
+    # What the message says loads the rank-local model.
+    loader = lazyckpt.get_model_checkpoint_loader()
+    local.load_state_dict(dict(loader.lazy_load(tmp_path / "full.pt", dims, options(layout=tp2))))
+    assert torch.equal(local.weight, full.weight[4:]) and torch.equal(local.bias, full.bias[4:])
+    # The dtype the message says to give first is the one loaded.
+    lazyckpt.load_into(meta.to(torch.bfloat16), tmp_path / "full.pt")
+    assert meta.weight.dtype == torch.bfloat16
+    assert torch.equal(meta.weight, full.weight.to(torch.bfloat16))
+    # Options that change nothing here are taken: a whole-tensor layout, contiguous, prefetch.
+    plain = nn.Linear(8, 8)
+    taken = options(layout=lazyckpt.Layout(), contiguous=True, prefetch_bytes=0, mmap=False)
+    lazyckpt.load_into(plain, tmp_path / "full.pt", options=taken)
+    assert torch.equal(plain.weight, full.weight)
+
+
+_MESH_CHILD = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+import lazyckpt
+torch.save(torch.nn.Linear(3, 2).state_dict(), sys.argv[2])
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+try:
+    lazyckpt.load_into(torch.nn.Linear(3, 2), sys.argv[2],
+                       options=lazyckpt.ModelCheckpointLoadOptions(mesh=mesh))
+except ValueError as exc:
+    print(exc)
+dist.destroy_process_group()
+"""
+
+
+def test_a_mesh_in_the_options_is_refused(tmp_path: Path) -> None:
+    """A DTensor's own mesh and placements give its shard: ``options.mesh`` was ignored."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _MESH_CHILD, str(port), str(tmp_path / "m.pt")],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("load_into takes no options.mesh: each tensor's own box"), done.stdout
+    assert "leave options.mesh None" in done.stdout
+
+
+def test_a_rank_local_model_gets_a_shape_error_that_names_lazy_load(tmp_path: Path) -> None:
+    """A model of plain tensors of one TP rank's shapes (fairscale's parallel layers), without a
+    layout: the shape error says how such a model is loaded. A shape that no TP chunk gives (a
+    resized vocabulary) gets no such hint."""
+    torch.save(nn.Linear(8, 8).state_dict(), tmp_path / "full.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"weight: checkpoint \(8, 8\), model \(4, 8\)") as info:
+        lazyckpt.load_into(nn.Linear(8, 4), tmp_path / "full.pt")
+    message = str(info.value)
+    assert "cut on one dim ({'weight': 0, 'bias': 0})" in message
+    assert "lazy_load(path, shard_dims, ModelCheckpointLoadOptions(layout=Layout(tp_size=2, tp_rank=...)))" in message
+    with pytest.raises(lazyckpt.KeyMismatchError, match=r"\{'weight': 1\}.*tp_size=2"):
+        lazyckpt.load_into(nn.Linear(4, 8), tmp_path / "full.pt")  # a RowParallelLinear's
+    torch.save({"weight": torch.zeros(32001, 4)}, tmp_path / "vocab.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError) as info:
+        lazyckpt.load_into(nn.Embedding(32000, 4), tmp_path / "vocab.pt")
+    assert "lazy_load" not in str(info.value)
+    with pytest.raises(lazyckpt.KeyMismatchError) as info:  # two dims differ
+        lazyckpt.load_into(nn.Linear(4, 4), tmp_path / "full.pt")
+    assert "lazy_load" not in str(info.value)
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.uint8])
