@@ -414,20 +414,28 @@ def load_into(
     stats = report.stats
     bar = byte_bar(sum(p.nbytes for p in plans), "load_into", enabled=options.progress)
 
+    written: list[str] = []
+
     def done(plan: TensorPlan) -> None:
         stats.add_delivered(plan.nbytes, view=False, span=clock)
         bar.update(plan.nbytes)
+        written.append(plan.key)
 
-    with (
-        stats.timing() as clock,
-        torch.no_grad(),
-        Reader(use_mmap=options.mmap, stats=stats, stamps=index.stamps) as reader,
-        bar,
-    ):
-        fill_all(plans, destinations, reader, pool=pool, done=done)
-        differ = _differing_ties(ties, destinations, reader, pool) if ties else []
-        if pool is not None:
-            pool.synchronize()
+    try:
+        with (
+            stats.timing() as clock,
+            torch.no_grad(),
+            Reader(use_mmap=options.mmap, stats=stats, stamps=index.stamps) as reader,
+            bar,
+        ):
+            fill_all(plans, destinations, reader, pool=pool, done=done)
+            differ = _differing_ties(ties, destinations, reader, pool) if ties else []
+            if pool is not None:
+                pool.synchronize()
+    except BaseException as exc:
+        in_model = [p.key for p in plans if not targets[p.key].tensor.is_meta]
+        _say_partly_written(exc, index.path, written, in_model)
+        raise
     _mark_written(in_place)
     _install_materialized(targets, destinations)
     for key, module in extras.items():
@@ -442,6 +450,32 @@ def load_into(
         )
     report.loaded = [key for key in index.entries if key not in shadowed]
     return report
+
+
+def _say_partly_written(
+    exc: BaseException, path: Path, written: Sequence[str], in_model: Sequence[str]
+) -> None:
+    """Add to ``exc``, raised while the model was being filled (what only the data shows: a
+    damaged DCP chunk's zip, replicas that differ, an I/O error, Ctrl-C), what it left: the
+    model's own tensors (all but meta ones, whose new tensors are never put in) were written in
+    place up to it, so the model may be part checkpoint, part what it held before."""
+    if not in_model:
+        note = f"load_into({path}): the model was left as it was (its tensors are on meta)"
+    else:
+        done = [k for k in written if k in set(in_model)]
+        shown = ", ".join(repr(k) for k in done[:5]) + (" ..." if len(done) > 5 else "")
+        note = (
+            f"load_into({path}): the model is partly loaded: its tensors are filled in place, "
+            f"and this error came after {len(done)} of the {len(in_model)} to load were "
+            "finished" + (f" ({shown})" if done else "") + "; the others may hold part of the "
+            "checkpoint's values, or what they held before: load it again from a good "
+            "checkpoint before using the model"
+        )
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:  # Python 3.11+
+        add_note(note)
+    else:
+        warn(note)
 
 
 def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:

@@ -544,3 +544,41 @@ def test_metadata_whose_record_holds_itself_is_refused(tmp_path: Path) -> None:
     for mmap in (True, False):
         with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"\.metadata"):
             load_all(tmp_path / "bad", mmap=mmap)
+
+
+def test_a_load_into_stopped_by_a_damaged_chunk_says_what_it_left(tmp_path: Path) -> None:
+    # What only the data shows raises during the fill: the model's tensors written before it
+    # hold the checkpoint's values, the rest their own. The error says so (and a meta model,
+    # whose new tensors are never put in, is left as it was).
+    import re
+
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    dcp.save(make().state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    (data,) = tmp_path.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    headers = [m.start() for m in re.finditer(rb"PK\x03\x04", bytes(raw))]
+    last = [h for h in headers if raw[h + 30 : h + 44] == b"archive/data/0"][-1]
+    raw[last + 30 : last + 44] = b"archive/data/9"  # the last chunk's zip names another record
+    data.write_bytes(raw)
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError) as caught:
+        lazyckpt.load_into(model, tmp_path)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed  # the fill did start
+    (note,) = getattr(caught.value, "__notes__", [])
+    finished = re.search(r"came after (\d+) of the 4 to load were finished", note)
+    assert "the model is partly loaded" in note and finished, note
+    assert int(finished.group(1)) <= len(changed) < 4
+    with torch.device("meta"):
+        meta = make()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError) as caught:
+        lazyckpt.load_into(meta, tmp_path)
+    assert "the model was left as it was" in caught.value.__notes__[0]
+    assert all(t.is_meta for t in meta.state_dict().values())
