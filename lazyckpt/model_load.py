@@ -8,6 +8,7 @@ full tensor is built, no collective runs, each rank reads only its own bytes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -395,6 +396,7 @@ def load_into(
         ties = _ties_to_compare(plans, shadowed, targets, index, options)
         plans = [p for p in plans if p.key not in shadowed]
     _refuse_overlaps([p.key for p in plans], targets)
+    _warn_bypassed_hooks(model, index.path)
     cpu = torch.device("cpu")
     destinations: dict[str, torch.Tensor] = {}
     in_place: list[torch.Tensor] = []  # filled behind autograd's back: see _mark_written
@@ -449,7 +451,68 @@ def load_into(
             "the model to load both"
         )
     report.loaded = [key for key in index.entries if key not in shadowed]
+    _run_post_hooks(model, report)
     return report
+
+
+_TORCH_PRE_HOOKS = ("to_sharded_hook", "_pre_load_state_dict_hook", "_lazy_load_hook")
+"""torch's own load pre-hooks, whose work ``load_into`` does its way: FSDP2's reshard
+(:func:`_reshard_fsdp`), ``checkpoint_wrapper``'s name prefix (:mod:`lazyckpt.state_names`),
+a lazy module's shapes (refused: :func:`_refuse_lazy`)."""
+_TORCH_LOADERS = ("torch.nn.modules.batchnorm", "torch.nn.modules.instancenorm")
+"""Where torch's own ``_load_from_state_dict`` overrides live: the norms' handling of old
+versions' keys (``num_batches_tracked``), which a checkpoint of this torch does not need."""
+
+
+def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
+    """Warn, before anything is written, of the modules whose ``load_state_dict`` does more
+    than copy: load pre-hooks (which rename legacy keys, convert values) and overrides of
+    ``_load_from_state_dict``. ``load_into`` writes each tensor in place and calls neither, so
+    what they do is not done; torch's own, whose work it does its way, are not named."""
+    found = []
+    for name, module in model.named_modules():
+        for hook in module._load_state_dict_pre_hooks.values():
+            fn = getattr(hook, "hook", hook)
+            what = getattr(fn, "__qualname__", None) or repr(fn)
+            if not what.endswith(_TORCH_PRE_HOOKS):
+                found.append(f"{name or 'the model'}: load_state_dict pre-hook {what}")
+        impl = type(module)._load_from_state_dict
+        if impl is not nn.Module._load_from_state_dict and impl.__module__ not in _TORCH_LOADERS:
+            found.append(f"{name or 'the model'}: {impl.__qualname__}")
+    if found:
+        more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+        warn(
+            f"{path}: load_into writes the model's tensors in place and does not run "
+            f"load_state_dict's per-module code, which these modules change: "
+            f"{'; '.join(found[:5])}{more}. What it does (renaming old keys, converting "
+            "values) is not done: load them with lazy_load and model.load_state_dict, or check "
+            "that they need nothing from it (their post-hooks are run)"
+        )
+
+
+def _run_post_hooks(model: nn.Module, report: LoadReport) -> None:
+    """Run the modules' ``load_state_dict`` post-hooks once the model is loaded, as
+    ``load_state_dict`` does (children first, all given the same missing and unexpected
+    keys): a module that derives state from its loaded tensors (a cache, FSDP2's padded
+    shards) keeps it right."""
+    keys = _INCOMPATIBLE(list(report.missing), list(report.unexpected))
+
+    def visit(module: nn.Module) -> None:
+        for child in module._modules.values():
+            if child is not None:
+                visit(child)
+        for hook in module._load_state_dict_post_hooks.values():
+            hook(module, keys)
+
+    visit(model)
+
+
+_INCOMPATIBLE: Any = getattr(
+    torch.nn.modules.module,
+    "_IncompatibleKeys",
+    collections.namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"]),
+)
+"""What ``load_state_dict`` gives its post-hooks (torch's own type where it has it)."""
 
 
 def _say_partly_written(

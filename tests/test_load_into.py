@@ -1000,3 +1000,62 @@ def test_a_dtensor_model_on_torch_2_4_is_told_to_upgrade() -> None:
         [sys.executable, "-c", _OLD_DTENSOR_CHILD, str(port)], capture_output=True, text=True
     )
     assert "need torch 2.5 or later" in done.stdout, (done.stdout, done.stderr)
+
+
+class _Rotary(nn.Module):
+    """A module that derives a buffer from its loaded weight in a load post-hook, as caches
+    of rotary tables or fused weights do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4))
+        self.register_buffer("doubled", torch.zeros(4, 4), persistent=False)
+        self.register_load_state_dict_post_hook(self._refresh)
+
+    @staticmethod
+    def _refresh(module: nn.Module, keys: object) -> None:
+        assert hasattr(keys, "missing_keys") and hasattr(keys, "unexpected_keys")
+        module.doubled.copy_(module.weight.detach() * 2)
+
+
+class _Legacy(nn.Linear):
+    """A module whose _load_from_state_dict converts what it is given."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_load_state_dict_hooks_are_run_or_named(tmp_path: Path) -> None:
+    # load_into writes in place and never calls load_state_dict: its post-hooks are run as it
+    # runs them; what only load_state_dict can do (pre-hooks, _load_from_state_dict) is named
+    # before anything is written, not skipped without a word.
+    w = torch.arange(16.0).reshape(4, 4)
+    torch.save({"weight": w}, tmp_path / "r.pt")
+    model = _Rotary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own and plain modules: no warning
+        lazyckpt.load_into(model, tmp_path / "r.pt")
+        norm = nn.Sequential(nn.BatchNorm1d(4))
+        lazyckpt.load_into(norm, _saved(tmp_path, norm))
+    assert torch.equal(model.doubled, w * 2)
+
+    def rename(module, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        if prefix + "old_weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "old_weight")
+
+    inner = nn.Linear(4, 4, bias=False)
+    inner._register_load_state_dict_pre_hook(rename)
+    model2 = nn.Sequential(inner, _Legacy(4, 4, bias=False))
+    path = _saved(tmp_path, model2)
+    with pytest.warns(UserWarning, match="does not run load_state_dict") as caught:
+        lazyckpt.load_into(model2, path)
+    message = str(caught[0].message)
+    assert "0: load_state_dict pre-hook" in message and "rename" in message, message
+    assert "1: _Legacy._load_from_state_dict" in message, message
+
+
+def _saved(tmp_path: Path, model: nn.Module) -> Path:
+    path = tmp_path / f"{type(model).__name__}-{len(list(tmp_path.iterdir()))}.pt"
+    torch.save(model.state_dict(), path)
+    return path
