@@ -469,6 +469,18 @@ def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
     than copy: load pre-hooks (which rename legacy keys, convert values) and overrides of
     ``_load_from_state_dict``. ``load_into`` writes each tensor in place and calls neither, so
     what they do is not done; torch's own, whose work it does its way, are not named."""
+    plain: dict[type, bool] = {}  # a class whose load_state_dict only copies
+    for module in model.modules():  # the quick pass: names only where something is found
+        kind = type(module)
+        if kind not in plain:
+            impl = kind._load_from_state_dict
+            plain[kind] = (
+                impl is nn.Module._load_from_state_dict or impl.__module__ in _TORCH_LOADERS
+            )
+        if module._load_state_dict_pre_hooks or not plain[kind]:
+            break
+    else:
+        return
     found = []
     for name, module in model.named_modules():
         for hook in module._load_state_dict_pre_hooks.values():
