@@ -271,7 +271,8 @@ def add_entry(entries: dict[str, TensorEntry], entry: TensorEntry) -> None:
     old = entries.get(entry.key)
     if old is not None:
         raise ValueError(
-            f"options.key_map maps both {old.source_key!r} and {entry.source_key!r} to "
+            f"the key_map (options.key_map; --key-map on the command line) maps both "
+            f"{old.source_key!r} and {entry.source_key!r} to "
             f"{entry.key!r}; each key must keep a name of its own"
         )
     entries[entry.key] = entry
