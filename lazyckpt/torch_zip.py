@@ -350,7 +350,7 @@ def restricted_find_class(module: str, name: str) -> Any:
     """The allow-list: containers, tensors, storages, dtypes. Anything else returns None."""
     if module == "collections" and name in ("OrderedDict", "Counter"):
         return getattr(collections, name)  # both on torch.load(weights_only=True)'s list too
-    if module == "builtins":
+    if module in ("builtins", "__builtin__"):  # protocol 2 (torch.save's) names Python 2's
         return _BUILTINS.get(name)
     if module == "_codecs" and name == "encode":
         import codecs
@@ -892,9 +892,9 @@ def flatten_state_dict(
 ) -> dict[str, StoredTensor]:
     """The flat ``{key: tensor}`` of a loaded torch object.
 
-    A dict whose ``"model"``, ``"state_dict"`` or ``"model_state_dict"`` entry is a dict is
-    unwrapped to it (training checkpoints keep optimizer state and counters beside the weights;
-    the last is the PyTorch tutorial's name). Nested dicts are joined with ``.``, integer keys
+    A dict whose ``"model"``, ``"state_dict"``, ``"model_state_dict"`` or ``"module"`` entry
+    is a dict is unwrapped to it (training checkpoints keep optimizer state and counters beside
+    the weights: see ``_WRAPPERS``). Nested dicts are joined with ``.``, integer keys
     (an optimizer's per-parameter state) written in decimal. Any other value is an error naming
     the key, unless ``keep(key)`` says the load does not want it (``options.key_map`` dropped
     it: a module's ``_extra_state``, say).
@@ -919,11 +919,16 @@ def flatten_state_dict(
     return out
 
 
+_WRAPPERS = ("model", "state_dict", "model_state_dict", "module")
+"""The entries training checkpoints keep their weights under, in the order they are looked for:
+the common name, Lightning's, the PyTorch tutorial's, DeepSpeed's (``mp_rank_00_model_states.pt``,
+beside its config, version and counters)."""
+
+
 def _unwrap(obj: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], str | None]:
-    """The weights of a training checkpoint: its ``"model"``, ``"state_dict"`` or
-    ``"model_state_dict"`` entry where that is a dict (and the entry's name), else ``obj``
-    itself (and None)."""
-    for wrapper in ("model", "state_dict", "model_state_dict"):
+    """The weights of a training checkpoint: the first of its ``_WRAPPERS`` entries that is a
+    dict (and the entry's name), else ``obj`` itself (and None)."""
+    for wrapper in _WRAPPERS:
         inner = obj.get(wrapper)
         if isinstance(inner, Mapping):
             return inner, wrapper

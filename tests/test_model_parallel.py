@@ -3,6 +3,7 @@ real gloo process groups, and fairseq2 ``pp_XX/tp_XX/sdp_XX.pt`` shards."""
 
 from __future__ import annotations
 
+import collections
 import shutil
 import warnings
 from pathlib import Path
@@ -21,6 +22,7 @@ from dist_workers import (
 from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
 
 import lazyckpt
+from lazyckpt.loaders import detect_loader
 
 pytest.importorskip("fairscale")
 
@@ -281,6 +283,22 @@ def test_general_checkpoints_with_optimizer_state(tmp_path: Path) -> None:
     assert same_bits(target.weight.detach(), want["model_state_dict"]["weight"])
     index = lazyckpt.loaders.detect_loader(tmp_path / "tutorial.pt").index(tmp_path / "tutorial.pt")
     assert "weights taken from its 'model_state_dict' entry" in index.notes[0]
+
+    # DeepSpeed's mp_rank_00_model_states.pt: the weights under "module", beside its config,
+    # version, counters and shapes (lists, sets, None), which are left out and noted.
+    sd = model.state_dict()
+    torch.save(
+        {"module": sd, "buffer_names": [], "optimizer": None, "lr_scheduler": None,
+         "param_shapes": [collections.OrderedDict((k, v.shape) for k, v in sd.items())],
+         "sparse_tensor_module_names": set(), "global_steps": 10, "dp_world_size": 1,
+         "mp_world_size": 1, "ds_config": {"train_batch_size": 8}, "ds_version": "0.14.0"},
+        tmp_path / "mp_rank_00_model_states.pt",
+    )
+    target = torch.nn.Linear(4, 3)
+    report = lazyckpt.load_into(target, tmp_path / "mp_rank_00_model_states.pt")
+    assert report.loaded == ["weight", "bias"] and same_bits(target.bias.detach(), sd["bias"])
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    assert "weights taken from its 'module' entry" in detect_loader(path).index(path).notes[0]
 
     torch.save({"weights": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "o.pt")
     state = want["optimizer_state_dict"]["state"]
