@@ -17,6 +17,7 @@ than the largest tensor plus the budget alive; one that keeps tensors only stops
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -45,6 +46,29 @@ _RECHECK_S = 0.5
 closed by the collector on the worker itself, at the allocation ``Condition.wait`` makes after
 the worker checked ``stop`` and before it is listed as a waiter, notifies nobody: without a
 bound the worker would wait for good, holding the stream's plans, reader and buffers."""
+
+
+_RUNNING: set[tuple[_State, threading.Thread]] = set()
+"""The workers of streams not yet ended, for :func:`_stop_at_exit`."""
+
+
+def _stop_at_exit() -> None:
+    """Stop every stream's worker, and wait for the build it is in, before the interpreter
+    finalizes: a stream left suspended at exit (held in a global, or in a cycle) keeps its
+    worker, a daemon thread, and one inside a torch call when Python finalizes is ended with
+    ``pthread_exit``, which unwinds through torch's C++ frames into ``std::terminate``: the
+    process aborted (exit status 134) instead of exiting."""
+    running = list(_RUNNING)
+    for state, _ in running:
+        with state.cond:
+            state.stop = True
+            state.cond.notify_all()
+    for _, worker in running:
+        if worker is not threading.current_thread():
+            worker.join()
+
+
+atexit.register(_stop_at_exit)
 
 
 def _condition() -> threading.Condition:
@@ -161,6 +185,8 @@ def prefetched(
 
     worker = threading.Thread(target=work, name="lazyckpt-prefetch", daemon=True)
     worker.start()
+    running = (state, worker)
+    _RUNNING.add(running)
     try:
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
             _same_process(parent)
@@ -198,3 +224,4 @@ def prefetched(
             # After the join: a build the worker was in stores its slot when it ends, and a slot
             # kept here would keep its tensor (and, through its finalizer, this state) for good.
             state.ready.clear()
+        _RUNNING.discard(running)

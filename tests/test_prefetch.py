@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -293,3 +295,24 @@ def test_a_stream_closed_on_the_worker_as_it_starts_to_wait_does_not_keep_it_wai
     worker.join(30)
     assert closed.is_set()
     assert not worker.is_alive()
+
+
+_SUSPENDED_AT_EXIT = """
+import sys, torch, lazyckpt
+stream = lazyckpt.get_model_checkpoint_loader().lazy_load(
+    sys.argv[1], {}, lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float16))
+key, t = next(stream)  # the worker builds the next casts; the stream is never closed
+print(key, flush=True)
+"""
+
+
+def test_a_stream_left_suspended_at_exit_lets_the_process_exit(tmp_path: Path) -> None:
+    # Its worker, a daemon thread inside a torch call as Python finalized, was ended with
+    # pthread_exit through torch's C++ frames: std::terminate, exit status 134, nearly always.
+    path = tmp_path / "m.safetensors"
+    save_file({f"k{i}": torch.randn(512, 1024) for i in range(8)}, path)
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", _SUSPENDED_AT_EXIT, str(path)], capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stdout == "k0\n", (done.returncode, done.stderr)
