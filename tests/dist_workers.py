@@ -321,6 +321,15 @@ def save_odd_dcp(rank: int, world: int, kind: str, out: str, collectives: bool =
     dcp.save(model.state_dict(), checkpoint_id=out, use_collectives=collectives)
 
 
+def save_replicated_rank_local(rank: int, world: int, out: str, keys: tuple[str, ...]) -> None:
+    """``dcp.save(use_collectives=False)`` of the same small tensors on every rank (DDP-style
+    weights), each ``torch.full((2,), len(keys))``: every rank lists every key."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {k: torch.full((2,), float(len(keys))) for k in keys}
+    dcp.save(sd, checkpoint_id=out, use_collectives=False)
+
+
 def save_odd_hf_pieces(rank: int, world: int, out: str) -> None:
     """``dcp.save`` of an FSDP2 ``OddModel`` through ``HuggingFaceStorageWriter(save_distributed=
     True)``: a safetensors file per rank holding its pieces."""

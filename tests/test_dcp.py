@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_workers import ODD_TP_DIMS, odd_model_truth, save_odd_dcp, save_odd_hf_pieces, spawn
+from dist_workers import (
+    ODD_TP_DIMS,
+    odd_model_truth,
+    save_odd_dcp,
+    save_odd_hf_pieces,
+    save_replicated_rank_local,
+    spawn,
+)
 from helpers import LAYOUTS, expected, load_all, opened_files, same_bits
 from safetensors.torch import save_file
 
@@ -582,3 +589,29 @@ def test_a_load_into_stopped_by_a_damaged_chunk_says_what_it_left(tmp_path: Path
         lazyckpt.load_into(meta, tmp_path)
     assert "the model was left as it was" in caught.value.__notes__[0]
     assert all(t.is_meta for t in meta.state_dict().values())
+
+
+def test_an_earlier_saves_rank_files_left_in_the_folder_are_told(
+    dcp_saves: dict[str, Path], tmp_path: Path
+) -> None:
+    """A ``use_collectives=False`` save with fewer ranks into a folder holding one with more
+    overwrites ``__0.metadata`` ... and leaves the rest: no gap in the ranks' numbers, so they
+    were joined as one save. Chunks placed over one another by two ranks' files are refused as
+    two saves (not as damaged metadata); keys only some ranks list are noted (pipeline stages
+    list their own, FSDP and TP ranks every key), so an earlier save's key is not loaded
+    without a word."""
+    import shutil
+
+    folder = tmp_path / "fsdp"
+    shutil.copytree(dcp_saves["fsdp2-rank-local"], folder)
+    spawn(save_odd_dcp, 2, "fsdp2", str(folder), False)
+    assert (folder / "__2.metadata").exists()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="the ranks' metadata are of two saves"):
+        lazyckpt.loaders.detect_loader(folder).index(folder)
+    folder = tmp_path / "ddp"
+    spawn(save_replicated_rank_local, 3, str(folder), ("w", "old"))
+    spawn(save_replicated_rank_local, 2, str(folder), ("w",))
+    index = lazyckpt.loaders.detect_loader(folder).index(folder)
+    assert any("'old' is in __2.metadata only" in n for n in index.notes), index.notes
+    got = load_all(folder, {})
+    assert same_bits(got["w"], torch.full((2,), 1.0))  # the latest save's, from rank 0

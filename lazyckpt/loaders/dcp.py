@@ -371,12 +371,15 @@ def _merged(metas: list[Any], paths: list[Path]) -> Any:
     out.state_dict_metadata, out.storage_data = {}, {}
     first: dict[str, Path] = {}
     taken: set[tuple[Any, ...]] = set()
+    owners: dict[str, dict[tuple[Any, ...], Path]] = {}  # each key's chunk places, by file
     for meta, path in zip(metas, paths):
         tensors, storage = meta.state_dict_metadata, meta.storage_data
         if not isinstance(tensors, dict) or not isinstance(storage, dict):
             raise CorruptModelCheckpointError(path, "lacks state_dict_metadata or storage_data")
         md: Any
         for fqn, md in tensors.items():
+            for c in getattr(md, "chunks", None) or ():
+                owners.setdefault(fqn, {}).setdefault(_chunk_place(c), path)
             have = out.state_dict_metadata.get(fqn)
             if have is None:
                 if isinstance(getattr(md, "chunks", None), list):  # extended below: a copy
@@ -406,7 +409,61 @@ def _merged(metas: list[Any], paths: list[Path]) -> Any:
             if where not in taken:
                 taken.add(where)
                 out.storage_data[k] = info
+    for fqn, places in owners.items():
+        _check_one_save(fqn, places, paths[0].parent)
     return out
+
+
+def _uneven_keys_note(metas: list[Any], paths: list[Path]) -> list[str]:
+    """A note where the ranks' metadata list different keys: pipeline stages do, but FSDP and
+    TP ranks list every key (an empty shard too), and the files an earlier save with more
+    ranks left behind add keys that only its ranks list, loaded without a word otherwise."""
+    listed = [set(getattr(m, "state_dict_metadata", None) or ()) for m in metas]
+    everywhere = set.intersection(*listed)
+    uneven = sorted(set.union(*listed) - everywhere)
+    if not uneven:
+        return []
+    key = uneven[0]
+    having = [p.name for p, keys in zip(paths, listed) if key in keys]
+    more = f" (and {len(uneven) - 1} more keys)" if len(uneven) > 1 else ""
+    return [
+        f"the ranks' metadata list different keys: {key!r}{more} is in "
+        f"{', '.join(having[:4])}{' ...' if len(having) > 4 else ''} only, as pipeline stages "
+        "save; in a save of one stage, the files of an earlier save with more ranks are left "
+        "in the folder: remove them"
+    ]
+
+
+def _check_one_save(fqn: str, places: dict[tuple[Any, ...], Path], folder: Path) -> None:
+    """Refuse chunks of one key from two ranks' metadata that overlap without being one chunk:
+    no save writes that, but a save with fewer ranks over an earlier one does, overwriting
+    ``__0.metadata`` ... and leaving the earlier save's higher ranks' files. (The plan would
+    refuse the overlap too, as damaged metadata.)"""
+    spans = sorted(
+        (offsets, sizes, path)
+        for (offsets, sizes), path in places.items()
+        if offsets and sizes and len(offsets) == len(sizes) and all(n > 0 for n in sizes)
+    )
+    for i, (a_off, a_size, a_path) in enumerate(spans):
+        for b_off, b_size, b_path in spans[i + 1 :]:
+            if b_off[0] >= a_off[0] + a_size[0]:
+                break
+            if b_path == a_path:
+                continue
+            if all(
+                max(ao, bo) < min(ao + asz, bo + bsz)
+                for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)
+            ):
+                raise CorruptModelCheckpointError(
+                    folder,
+                    f"key {fqn!r}: {b_path.name} places a chunk (offsets {b_off}, sizes "
+                    f"{b_size}) over one of {a_path.name} (offsets {a_off}, sizes {a_size}): "
+                    "the ranks' metadata are of two saves. A save with use_collectives=False "
+                    "into a folder that held one with more ranks overwrites __0.metadata ... "
+                    "and leaves the others' __N.metadata and __N_*.distcp behind: remove the "
+                    "earlier save's files, or save into an empty folder",
+                    key=fqn,
+                )
 
 
 @final
@@ -434,6 +491,7 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         # Errors about the metadata name its file, or the folder for the ranks' files together.
         meta_path = meta_paths[0] if len(meta_paths) == 1 else folder
         meta = metas[0] if len(metas) == 1 else _merged(metas, meta_paths)
+        notes = [] if len(metas) == 1 else _uneven_keys_note(metas, meta_paths)
         tensors = meta.state_dict_metadata
         storage = meta.storage_data
         if not isinstance(tensors, dict) or not isinstance(storage, dict):
@@ -450,7 +508,6 @@ class DcpCheckpointLoader(IndexedCheckpointLoader):
         entries: dict[str, TensorEntry] = {}
         memo: PickleMemo = {}  # chunks of one shape and dtype share their data.pkl
         shapes: ShapeMemo = {}  # ... and all their bytes but the data and its CRC
-        notes = []
         megatron = bool(megatron_files(names))  # as detection tells it
         if megatron:
             notes.append(
