@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,7 +377,8 @@ def load_into(
             f"{index.path}: model and checkpoint disagree: missing {report.missing[:20]}"
             f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
             f"{' ...' if len(report.unexpected) > 20 else ''}; pass strict=False to load the "
-            f"common keys, or options.key_map to rename{_prefix_hint(report, list(index.entries))}"
+            f"common keys, or options.key_map to rename"
+            f"{_prefix_hint(report, list(index.entries), options.key_map is not None)}"
             f"{_notes_hint(index.notes)}",
             report,
         )
@@ -455,10 +456,18 @@ def load_into(
     return report
 
 
-_TORCH_PRE_HOOKS = ("to_sharded_hook", "_pre_load_state_dict_hook", "_lazy_load_hook")
-"""torch's own load pre-hooks, whose work ``load_into`` does its way: FSDP2's reshard
-(:func:`_reshard_fsdp`), ``checkpoint_wrapper``'s name prefix (:mod:`lazyckpt.state_names`),
-a lazy module's shapes (refused: :func:`_refuse_lazy`)."""
+_TORCH_PRE_HOOKS = (
+    "to_sharded_hook",
+    "_pre_load_state_dict_hook",
+    "_lazy_load_hook",
+    "_weight_norm_compat_hook",
+    "SpectralNormLoadStateDictPreHook",
+)
+"""torch's own load pre-hooks (matched by name in torch's modules only), whose work
+``load_into`` does its way or that a current checkpoint does not need: FSDP2's reshard
+(:func:`_reshard_fsdp`), ``checkpoint_wrapper``'s name prefix (:mod:`lazyckpt.state_names`), a
+lazy module's shapes (refused: :func:`_refuse_lazy`), ``weight_norm``'s and ``spectral_norm``'s
+renaming of old versions' keys (which the key check reports as missing and unexpected)."""
 _TORCH_LOADERS = ("torch.nn.modules.batchnorm", "torch.nn.modules.instancenorm")
 """Where torch's own ``_load_from_state_dict`` overrides live: the norms' handling of old
 versions' keys (``num_batches_tracked``), which a checkpoint of this torch does not need."""
@@ -485,8 +494,10 @@ def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
     for name, module in model.named_modules():
         for hook in module._load_state_dict_pre_hooks.values():
             fn = getattr(hook, "hook", hook)
-            what = getattr(fn, "__qualname__", None) or repr(fn)
-            if not what.endswith(_TORCH_PRE_HOOKS):
+            named = fn if hasattr(fn, "__qualname__") else type(fn)  # a callable object: its class
+            what = named.__qualname__
+            torchs = getattr(named, "__module__", "").startswith("torch.")
+            if not (torchs and what.endswith(_TORCH_PRE_HOOKS)):
                 found.append(f"{name or 'the model'}: load_state_dict pre-hook {what}")
         impl = type(module)._load_from_state_dict
         if impl is not nn.Module._load_from_state_dict and impl.__module__ not in _TORCH_LOADERS:
@@ -537,7 +548,8 @@ def _say_partly_written(
     if not in_model:
         note = f"load_into({path}): the model was left as it was (its tensors are on meta)"
     else:
-        done = [k for k in written if k in set(in_model)]
+        inside = set(in_model)
+        done = [k for k in written if k in inside]
         shown = ", ".join(repr(k) for k in done[:5]) + (" ..." if len(done) > 5 else "")
         note = (
             f"load_into({path}): the model is partly loaded: its tensors are filled in place, "
@@ -650,24 +662,25 @@ def _notes_hint(notes: Sequence[str]) -> str:
     return "; the checkpoint's index notes: " + "; ".join(notes[:3]) + more
 
 
-def _prefix_hint(report: LoadReport, matched: Sequence[str]) -> str:
+def _prefix_hint(report: LoadReport, matched: Sequence[str], user_map: bool = False) -> str:
     """The ``key_map`` that mends the usual cause of a mismatch, a prefix one side's keys carry
     and the other's lack: a DCP save of ``{"model": model.state_dict(), "optim": ...}`` (keys
     ``model.*``), a ``DistributedDataParallel`` (``module.*``) or ``torch.compile``
     (``_orig_mod.*``) model. Said only where the prefix accounts for at least half the missing
     keys; else empty.
 
-    The ``key_map`` given loads the model when copied as written: ``matched``, the checkpoint
-    keys that already name a model key (a Hugging Face checkpoint's ``lm_head.weight`` beside
-    its ``model.*`` keys), keep their names; the unexpected keys are renamed (or, stripping a
-    prefix, those without it dropped) as the prefix says. Of the lambdas that do so, the
-    shortest is given."""
+    The ``key_map`` given loads the model when copied as written (:func:`_key_map_hint` checks
+    it): ``matched``, the checkpoint keys that already name a model key (a Hugging Face
+    checkpoint's ``lm_head.weight`` beside its ``model.*`` keys), keep their names; an
+    unexpected key is renamed where the prefix makes it a missing key, and dropped otherwise.
+    ``user_map``: the names are those after the caller's own ``key_map``, which the hint says."""
     missing, unexpected = set(report.missing), set(report.unexpected)
     if not missing or not unexpected:
         return ""
 
     def best(have: set[str], want: set[str]) -> tuple[str, int]:
-        """The prefix that, cut off the most keys of ``have``, gives keys of ``want``."""
+        """The prefix that, cut off the most keys of ``have``, gives keys of ``want`` (the
+        shortest, then the first in order, of those that tie: the same hint every run)."""
         counts: dict[str, int] = {}
         for key in have:
             at = key.find(".")
@@ -675,88 +688,109 @@ def _prefix_hint(report: LoadReport, matched: Sequence[str]) -> str:
                 if key[at + 1 :] in want:
                     counts[key[: at + 1]] = counts.get(key[: at + 1], 0) + 1
                 at = key.find(".", at + 1)
-        return max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+        return max(sorted(counts.items()), key=lambda kv: kv[1], default=("", 0))
 
     strip, stripped = best(unexpected, missing)
     add, added = best(missing, unexpected)
     if max(stripped, added) * 2 < len(missing):
         return ""
     if stripped >= added:
-        return _strip_hint(strip, stripped, matched, unexpected)
-    return _add_hint(add, added, matched, unexpected)
+        said = f"{stripped} checkpoint key(s) are the model's under the prefix {strip!r}"
+        renamed = {k: k[len(strip) :] for k in unexpected if k.startswith(strip)}
+    else:
+        said = f"{added} model key(s) are the checkpoint's under the prefix {add!r}"
+        renamed = {k: add + k for k in unexpected}
+    renamed = {k: new for k, new in renamed.items() if new in missing}
+    if user_map:
+        said += " (the names your key_map gives: apply this one to what yours returns)"
+    kept = set(matched) - unexpected  # the checkpoint keys that are model keys as they are
+    return _key_map_hint(
+        said,
+        strip if stripped >= added else add,
+        stripped >= added,
+        renamed,
+        kept,
+        unexpected - set(renamed),
+    )
 
 
 _HINT_KEYS = 20
 """The most keys a suggested ``key_map`` names; past it the hint says what the map must do."""
 
 
-def _keys_literal(keys: Sequence[str]) -> str:
+def _keys_literal(keys: Iterable[str]) -> str:
     """A set display of ``keys`` (sorted: the message is the same run to run)."""
     return "{" + ", ".join(repr(k) for k in sorted(keys)) + "}"
 
 
 def _key_map_hint(
-    said: str, candidates: Sequence[tuple[str, int]], matched: int, what: str, note: str
+    said: str,
+    prefix: str,
+    strip: bool,
+    renamed: Mapping[str, str],
+    matched: set[str],
+    drop: set[str],
 ) -> str:
-    """``said``, then the shortest of ``candidates`` (a lambda's body, how many keys it names)
-    as the ``key_map`` that loads the model; where each names more than ``_HINT_KEYS`` keys,
-    ``what`` the map must do instead."""
-    body, named = min(candidates, key=lambda c: (c[1], len(c[0])))
-    if named > _HINT_KEYS:
-        return (
-            f"; {said}: a key_map that {what} and keeps the {matched} checkpoint keys that "
-            "already match as they are loads them"
-        )
-    return f"; {said}: key_map=lambda k: {body} loads them{note}"
-
-
-def _strip_hint(prefix: str, count: int, matched: Sequence[str], unexpected: set[str]) -> str:
-    """The hint for checkpoint keys that are the model's under ``prefix``: the unexpected keys
-    with it lose it, the other unexpected keys are dropped, the matched keys stay."""
+    """``said``, then the ``key_map`` that renames ``renamed``'s keys, keeps ``matched`` and
+    drops ``drop``: the lambda naming the fewest keys among a few forms, each run here on every
+    checkpoint key to check that it does exactly that (a form that renames a key the prefix
+    does not make a model key, or keeps one the model lacks, is not given). Where each right
+    form names more than ``_HINT_KEYS`` keys, what the map must do is said instead."""
     p = repr(prefix)
-    cut = f"k.removeprefix({p})"
-    others = [k for k in unexpected if not k.startswith(prefix)]  # to drop
-    prefixed = [k for k in matched if k.startswith(prefix)]  # cutting would rename them
-    # What has the prefix loses it, the rest is dropped: but the matched keys.
-    drop_rest = f"{cut} if k.startswith({p}) else None"
-    if matched:
-        drop_rest = f"k if k in {_keys_literal(matched)} else ({drop_rest})"
-    # What has the prefix loses it (but the matched keys), the unexpected rest is dropped.
-    keep_rest = cut
-    if others:
-        keep_rest = f"{cut} if k.startswith({p}) else (None if k in {_keys_literal(others)} else k)"
-    if prefixed:
-        keep_rest = f"k if k in {_keys_literal(prefixed)} else ({keep_rest})"
-    candidates = [(drop_rest, len(matched)), (keep_rest, len(others) + len(prefixed))]
-    kept = " (keeps the keys that already match" if matched else " ("
-    dropped = "drops the checkpoint's other keys" if others else ""
-    note = kept + (" and " if matched and others else "") + dropped + ")"
-    return _key_map_hint(
-        f"{count} checkpoint key(s) are the model's under the prefix {p}",
-        candidates,
-        len(matched),
-        f"cuts {p} off them" + (", drops the checkpoint's other unexpected keys" if others else ""),
-        note if matched or others else "",
-    )
-
-
-def _add_hint(prefix: str, count: int, matched: Sequence[str], unexpected: set[str]) -> str:
-    """The hint for model keys that are the checkpoint's under ``prefix``: the unexpected keys
-    take it, the matched keys stay."""
-    p = repr(prefix)
-    candidates = [(f"{p} + k", 0)]
-    if matched:  # name the keys to keep, or those to rename
-        candidates = [
-            (f"k if k in {_keys_literal(matched)} else {p} + k", len(matched)),
-            (f"{p} + k if k in {_keys_literal(list(unexpected))} else k", len(unexpected)),
+    r, m, d = _keys_literal(renamed), _keys_literal(matched), _keys_literal(drop)
+    if strip:
+        move, moved = f"k.removeprefix({p})", lambda k: k.removeprefix(prefix)
+    else:
+        move, moved = f"{p} + k", lambda k: prefix + k
+    # Each form as written, how many keys it names, and what it does (which the tests check
+    # against the text, run as written).
+    forms: list[tuple[str, int, Callable[[str], str | None]]] = [
+        (move, 0, moved),
+        (f"None if k in {d} else {move}", len(drop), lambda k: None if k in drop else moved(k)),
+        (
+            f"None if k in {d} else (k if k in {m} else {move})",
+            len(drop) + len(matched),
+            lambda k: None if k in drop else (k if k in matched else moved(k)),
+        ),
+        (
+            f"{move} if k in {r} else (None if k in {d} else k)",
+            len(renamed) + len(drop),
+            lambda k: moved(k) if k in renamed else (None if k in drop else k),
+        ),
+    ]
+    if strip:
+        has = f"k.startswith({p})"
+        forms += [
+            (
+                f"{move} if {has} else None",
+                0,
+                lambda k: moved(k) if k.startswith(prefix) else None,
+            ),
+            (
+                f"k if k in {m} else ({move} if {has} else None)",
+                len(matched),
+                lambda k: k if k in matched else (moved(k) if k.startswith(prefix) else None),
+            ),
         ]
-    return _key_map_hint(
-        f"{count} model key(s) are the checkpoint's under the prefix {p}",
-        candidates,
-        len(matched),
-        f"puts {p} before the unexpected keys",
-        " (and keeps the keys that already match)" if matched else "",
-    )
+    want = {**{k: k for k in matched}, **renamed, **dict.fromkeys(drop)}
+    right = [
+        (named, len(body), body)
+        for body, named, fn in forms
+        if all(fn(k) == new for k, new in want.items())
+    ]
+    dropped = f" and drops the checkpoint's {len(drop)} other key(s)" if drop else ""
+    if matched:
+        kept = f" (keeps the keys that already match{dropped})"
+    else:
+        kept = f" (drops the checkpoint's {len(drop)} other key(s))" if drop else ""
+    if not right or min(right)[0] > _HINT_KEYS:
+        what = ("cuts " if strip else "puts ") + p + (" off" if strip else " before")
+        return (
+            f"; {said}: a key_map that {what} the {len(renamed)} unexpected key(s) it makes "
+            f"model keys, keeps the {len(matched)} that already match and drops the "
+            f"{len(drop)} other(s) loads them"
+        )
+    return f"; {said}: key_map=lambda k: {min(right)[2]} loads them{kept}"
 
 
 def _shadowed(targets: Mapping[str, _Target], loaded: Mapping[str, Any]) -> list[str]:

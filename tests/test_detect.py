@@ -360,3 +360,18 @@ def test_a_peft_adapter_beside_the_weights_is_not_merged_into_them(
     notes = loader.index(tmp_path).notes
     assert not any("PEFT" in n for n in notes)
     assert any("adapter_model.bin: the safetensors files beside it are loaded" in n for n in notes)
+
+
+def test_an_adapter_beside_files_of_other_names_is_not_taken_for_one(tmp_path: Path) -> None:
+    # A LLaVA LoRA folder: adapter_model.safetensors beside non_lora_trainables.bin, both
+    # needed. Only a model's weights under Hugging Face's names make an adapter extra; else the
+    # folder stays as ambiguous as before, not loaded as its .bin alone.
+    save_file({"base_model.model.l.lora_A.weight": torch.ones(1, 3)}, tmp_path / "adapter_model.safetensors")
+    torch.save({"mm_projector.weight": torch.ones(2, 2)}, tmp_path / "non_lora_trainables.bin")
+    with pytest.raises(lazyckpt.UnknownCheckpointFormatError, match="both safetensors"):
+        detect_loader(tmp_path)
+    (tmp_path / "non_lora_trainables.bin").unlink()
+    save_file({"mm_projector.weight": torch.ones(2, 2)}, tmp_path / "non_lora_trainables.safetensors")
+    loader = detect_loader(tmp_path)
+    assert set(dict(loader.lazy_load(tmp_path, {}))) == {"base_model.model.l.lora_A.weight", "mm_projector.weight"}
+    assert not any("PEFT" in n for n in loader.index(tmp_path).notes)

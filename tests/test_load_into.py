@@ -1038,20 +1038,29 @@ def test_load_state_dict_hooks_are_run_or_named(tmp_path: Path) -> None:
         lazyckpt.load_into(model, tmp_path / "r.pt")
         norm = nn.Sequential(nn.BatchNorm1d(4))
         lazyckpt.load_into(norm, _saved(tmp_path, norm))
+        # torch's compatibility hooks for old versions' keys (wav2vec2's, HiFi-GAN's convs)
+        normed = nn.Sequential(
+            nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3)),
+            nn.utils.spectral_norm(nn.Linear(2, 2)),
+        )
+        lazyckpt.load_into(normed, _saved(tmp_path, normed))
     assert torch.equal(model.doubled, w * 2)
 
     def rename(module, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
         if prefix + "old_weight" in state_dict:
             state_dict[prefix + "weight"] = state_dict.pop(prefix + "old_weight")
 
+    def _pre_load_state_dict_hook(module, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        rename(module, state_dict, prefix)  # named as checkpoint_wrapper's: still the user's
+
     inner = nn.Linear(4, 4, bias=False)
-    inner._register_load_state_dict_pre_hook(rename)
+    inner._register_load_state_dict_pre_hook(_pre_load_state_dict_hook)
     model2 = nn.Sequential(inner, _Legacy(4, 4, bias=False))
     path = _saved(tmp_path, model2)
     with pytest.warns(UserWarning, match="does not run load_state_dict") as caught:
         lazyckpt.load_into(model2, path)
     message = str(caught[0].message)
-    assert "0: load_state_dict pre-hook" in message and "rename" in message, message
+    assert "0: load_state_dict pre-hook" in message and "_pre_load_state_dict_hook" in message, message
     assert "1: _Legacy._load_from_state_dict" in message, message
 
 
@@ -1059,3 +1068,41 @@ def _saved(tmp_path: Path, model: nn.Module) -> Path:
     path = tmp_path / f"{type(model).__name__}-{len(list(tmp_path.iterdir()))}.pt"
     torch.save(model.state_dict(), path)
     return path
+
+
+@pytest.mark.parametrize(
+    ("ckpt_keys", "model_keys"),
+    [
+        # An old Llama checkpoint's rotary buffer under the prefix, no key of the model.
+        (["model.a.weight", "model.b.weight", "model.layers.0.rotary_emb.inv_freq", "lm_head.weight"],
+         ["a.weight", "b.weight", "lm_head.weight"]),
+        # A DDP checkpoint with a buffer the model no longer has.
+        (["module.a.weight", "module.b.weight", "module.layers.0.old_buf"], ["a.weight", "b.weight"]),
+        # Adding the prefix: an extra key (an EMA counter) must not become 'module.n_averaged'.
+        (["a.weight", "b.weight", "n_averaged"], ["module.a.weight", "module.b.weight"]),
+        # The same name with and without the prefix: the prefixed one is no rename target.
+        (["module.a.weight", "module.b.weight", "a.weight"], ["a.weight", "b.weight"]),
+    ],
+)
+def test_the_suggested_key_map_renames_only_what_the_prefix_makes_model_keys(
+    tmp_path: Path, ckpt_keys: list[str], model_keys: list[str]
+) -> None:
+    # A real model whose state-dict keys are model_keys: nested modules built from the names.
+    root = nn.Module()
+    for key in model_keys:
+        *path, leaf = key.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_buffer(leaf, torch.zeros(2))
+    assert list(root.state_dict()) == model_keys
+    torch.save({k: torch.full((2,), float(i + 1)) for i, k in enumerate(ckpt_keys)}, tmp_path / "c.pt")
+    with pytest.raises(lazyckpt.KeyMismatchError) as info:
+        lazyckpt.load_into(root, tmp_path / "c.pt")
+    key_map = _suggested_key_map(str(info.value))
+    report = lazyckpt.load_into(
+        root, tmp_path / "c.pt", options=lazyckpt.ModelCheckpointLoadOptions(key_map=key_map)
+    )
+    assert sorted(report.loaded) == sorted(model_keys) and not report.unexpected, info.value

@@ -7,7 +7,7 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +22,7 @@ __all__ = [
     "FileSet",
     "FileTensor",
     "adapter_files",
-    "all_adapters",
+    "beside_hf_weights",
     "build_file_set_index",
     "check_complete",
     "find_index_file",
@@ -46,6 +46,11 @@ _HF_VARIANT = {
 its format: loaded only where asked for by name."""
 ADAPTER = re.compile(r"adapter_model\.(safetensors|bin)")
 """The file PEFT saves an adapter (LoRA, ...) in, beside the model's weights or alone."""
+_HF_WEIGHTS = re.compile(
+    r"(model|pytorch_model|diffusion_pytorch_model)([-.].*)?\.(safetensors|bin)"
+)
+"""Hugging Face's names for a model's weights, beside which an adapter is not part of them
+(``non_lora_trainables.bin`` beside a LLaVA adapter is, and such a folder stays ambiguous)."""
 _NUMBERED = re.compile(r"(.+)-(\d+)-of-(\d+)(\.[^-]+)")
 """A file of a sharded set (``model-00001-of-00004.safetensors``): its prefix, its number, the
 set's count and its suffix; Hugging Face's writers pad the number to the count's width, which
@@ -143,16 +148,15 @@ def leave_out_variants(file_set: FileSet, suffix: str, keys: Callable[[Path], se
 
 def adapter_files(names: Sequence[str]) -> list[str]:
     """Of a folder's weights files ``names``, the PEFT adapter files (``adapter_model.*``) where
-    other weights are there too: the model those adapt, or the merged model, is the checkpoint,
-    and the adapter's keys (``base_model.model....lora_A.weight``) are not its. An adapter alone
-    is its folder's checkpoint (none are returned)."""
-    found = [n for n in names if ADAPTER.fullmatch(n)]
-    return found if len(found) < len(names) else []
+    a model's weights under Hugging Face's names are there too: that model (the base, or the
+    merged one) is the checkpoint, and the adapter's keys (``base_model.model....lora_A``) are
+    not its. An adapter alone, or beside files of other names, is left in (none returned)."""
+    return [n for n in names if ADAPTER.fullmatch(n)] if beside_hf_weights(names) else []
 
 
-def all_adapters(files: Sequence[Path]) -> bool:
-    """Whether a folder's ``files`` to load are PEFT adapters only (its checkpoint is one)."""
-    return all(ADAPTER.fullmatch(f.name) for f in files)
+def beside_hf_weights(names: Iterable[str]) -> bool:
+    """Whether ``names`` hold a model's weights file under Hugging Face's names."""
+    return any(_HF_WEIGHTS.fullmatch(n) for n in names)
 
 
 def check_complete(file_set: FileSet) -> None:
@@ -304,7 +308,7 @@ def folder_file_set(
     # PEFT adapters beside the weights, of this format (left out) or the other (noted only).
     adapters = set(adapter_files([f.name for f in files]))
     files = [f for f in files if f.name not in adapters]
-    if not all_adapters(files):
+    if beside_hf_weights(f.name for f in files):
         adapters.update(
             n for n in names_ending(folder, (".safetensors", ".bin")) if ADAPTER.fullmatch(n)
         )

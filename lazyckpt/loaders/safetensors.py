@@ -30,7 +30,7 @@ from lazyckpt.loaders._files import (
     ADAPTER,
     FileSet,
     FileTensor,
-    all_adapters,
+    beside_hf_weights,
     build_file_set_index,
     check_complete,
     find_index_file,
@@ -413,8 +413,8 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
                 for n in os.listdir(path)
                 if n.endswith(TORCH_SUFFIXES + TORCH_INDEX_SUFFIXES)
                 and not TRAINER_STATE.fullmatch(n)
-                # noted by folder_file_set, unless the checkpoint is an adapter
-                and not (ADAPTER.fullmatch(n) and not all_adapters(file_set.files))
+                # noted by folder_file_set as an adapter beside Hugging Face weights
+                and not (ADAPTER.fullmatch(n) and beside_hf_weights(f.name for f in file_set.files))
             )
             notes += [  # detection chose these files over the torch ones (torch_twins)
                 f"ignored {n}: the safetensors files beside it are loaded, as Hugging Face "
