@@ -16,7 +16,6 @@ import codecs
 import contextlib
 import io
 import json
-import mmap
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -214,6 +214,8 @@ def load_key_map(spec: str) -> KeyMapFile:
     if not isinstance(doc, dict):
         raise UsageError(f"--key-map {spec}: expected a JSON object {{key: new name or null}}")
     for key, new in doc.items():
+        if new == "":
+            raise UsageError(f"--key-map {spec}: {key!r} maps to an empty name; give a name")
         if new is not None and not isinstance(new, str):
             raise UsageError(
                 f"--key-map {spec}: {key!r} maps to {new!r}; give a new name (a string), or "
@@ -598,15 +600,23 @@ class Problems:
 
 
 def _drop(keys: frozenset[str], base: ModelCheckpointLoadOptions | None) -> KeyMap | None:
-    """The caller's ``key_map`` (``--key-map``) with ``keys`` dropped as well, named by the
-    checkpoint or by the map (an error names a key either way)."""
+    """The caller's ``key_map`` (``--key-map``) with ``keys`` dropped as well. An error names a
+    key as the checkpoint does or as the map renames it: a name is taken as the checkpoint's
+    unless only the map gives it (so a map that shifts names, ``l0 -> l1 -> l2``, does not
+    drop ``l0`` for a bad ``l1``)."""
     user = base.key_map if base is not None else None
     if not keys:
         return user
+    renamed_to: set[str] = set()
+    if isinstance(user, KeyMapFile):
+        given = {new for new in user.mapping.values() if new is not None}
+        renamed_to = {k for k in keys if k in given and k not in user.mapping}
 
     def key_map(k: str) -> str | None:
         target = apply_key_map(user, k)
-        return None if k in keys or target in keys else target
+        if (k in keys and k not in renamed_to) or target in renamed_to:
+            return None
+        return target
 
     return key_map
 
@@ -728,7 +738,9 @@ def read_collecting(
             skipped.add(failed)
 
 
-def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -> int:
+def check_zip_crcs(
+    index: CheckpointIndex, problems: Problems, progress: bool, only_keyed: bool = False
+) -> int:
     """Check the CRC-32 that ``torch.save`` stores for every record of every zip: the files of
     torch formats, and each DCP chunk's record (a zip of its own inside a ``.distcp`` file).
     Names the keys whose bytes a bad record holds. Returns the bytes checked."""
@@ -762,7 +774,7 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
     checked = 0
     with byte_bar(sum(z[2] for z in zips), "checking CRC-32", enabled=progress) as bar:
         for f, offset, length, keyed, where in zips:
-            with open(f, "rb") as raw, _mapped(raw) as mapped:
+            with open(f, "rb") as raw:
                 try:
                     zf = zipfile.ZipFile(_Window(raw, offset, length))
                 except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
@@ -774,7 +786,9 @@ def check_zip_crcs(index: CheckpointIndex, problems: Problems, progress: bool) -
                     bar.update(length)
                     continue
                 with zf:
-                    done = _check_records(f, zf, keyed, where, problems, bar, mapped, offset)
+                    done = _check_records(
+                        f, zf, keyed, where, problems, bar, raw.fileno(), offset, length, only_keyed
+                    )
                 checked += done
             bar.update(length - done)  # its headers, directory and records without CRC-32s
     return checked
@@ -787,23 +801,30 @@ def _check_records(
     where: str,
     problems: Problems,
     bar: Any,
-    mapped: memoryview | None = None,
-    offset: int = 0,
+    fd: int,
+    offset: int,
+    length: int,
+    only_keyed: bool,
 ) -> int:
     """Read every record of ``zf`` against its CRC-32; a bad one is a problem naming the keys
-    whose bytes it holds. Returns the bytes checked. ``mapped``: the file mapped, where the
-    zip starts at ``offset``, for stored records (all of torch's) to be summed in place,
-    several times faster than through ``zipfile``'s copies."""
+    whose bytes it holds. Returns the bytes checked. ``fd``: the file, where the zip is bytes
+    ``[offset, offset + length)``: stored records (all of torch's) are read from it straight,
+    several times faster than through ``zipfile``'s copies. ``only_keyed``: only the records
+    that hold bytes of ``keyed``'s keys (those a load reads; not what its key_map drops)."""
     checked = 0
     for info in zf.infolist():
         if info.CRC == 0 or info.file_size == 0:
             continue  # written without CRC-32s: nothing to compare with
+        if only_keyed:
+            start = _record_start(zf.fp, info)
+            if not any(a < start + info.file_size and b > start for a, b, _ in keyed):
+                continue
         try:
-            if info.compress_type == zipfile.ZIP_STORED and mapped is not None:
+            if info.compress_type == zipfile.ZIP_STORED:
                 with zf.open(info):  # checks the record's header, reads none of its bytes
                     pass
                 start = offset + _record_start(zf.fp, info)
-                checked += _stored_crc(mapped, start, info, bar)
+                checked += _stored_crc(fd, start, offset + length, info, bar)
                 continue
             with zf.open(info) as member:
                 while block := member.read(16 << 20):
@@ -822,38 +843,33 @@ def _check_records(
     return checked
 
 
-def _stored_crc(mapped: memoryview, start: int, info: zipfile.ZipInfo, bar: Any) -> int:
-    """Sum a stored record's bytes in the mapping against its CRC-32 (``zipfile``'s error
-    where they differ or are cut off); returns the bytes summed."""
+_CRC_BLOCK = 16 << 20
+
+
+def _stored_crc(fd: int, start: int, stop_limit: int, info: zipfile.ZipInfo, bar: Any) -> int:
+    """Sum a stored record's bytes, read with ``pread`` into one reused buffer (a mapping would
+    end the process with SIGBUS if the file were cut meanwhile), against its CRC-32:
+    ``zipfile``'s error where they differ, or where the record runs past ``stop_limit``, the
+    end of its zip (a DCP chunk's, inside its ``.distcp``). Returns the bytes summed."""
     stop = start + info.file_size
-    if stop > len(mapped):
-        raise EOFError(f"its {info.file_size} bytes run past the end of the file")
+    if stop > stop_limit:
+        raise EOFError(f"its {info.file_size} bytes run past the end of its zip")
+    buf = bytearray(min(_CRC_BLOCK, info.file_size))
+    view = memoryview(buf)
     crc, pos = 0, start
-    while pos < stop:
-        end = min(pos + (16 << 20), stop)
-        crc = zlib.crc32(mapped[pos:end], crc)  # no copy; the GIL is released while it sums
-        bar.update(end - pos)
-        pos = end
+    try:
+        while pos < stop:
+            n = os.preadv(fd, [view[: min(len(buf), stop - pos)]], pos)
+            if n <= 0:
+                raise EOFError("the file ends inside it: it was cut")
+            crc = zlib.crc32(view[:n], crc)  # the GIL is released while it sums
+            bar.update(n)
+            pos += n
+    finally:
+        view.release()
     if crc != info.CRC:
         raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
     return info.file_size
-
-
-@contextmanager
-def _mapped(raw: Any) -> Iterator[memoryview | None]:
-    """The open file mapped read-only, as a memoryview (None where it cannot be mapped: empty,
-    or a file system without mmap)."""
-    try:
-        mm = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        yield None
-        return
-    view = memoryview(mm)
-    try:
-        yield view
-    finally:
-        view.release()
-        mm.close()
 
 
 class _Window(io.RawIOBase):
@@ -1004,18 +1020,20 @@ def _verify_report(
 # -- reshard -------------------------------------------------------------------------------
 
 
-def _check_source_crcs(src: Path, index: CheckpointIndex, progress: bool) -> None:
+def _check_source_crcs(src: Path, progress: bool, index: CheckpointIndex) -> None:
     """Refuse a source whose zip records fail their CRC-32s before anything is written: a
     rank reads only its part of a record, so no read checks it, and the writer would give the
-    damaged bytes a fresh, valid CRC-32 that hides the damage from any later check."""
+    damaged bytes a fresh, valid CRC-32 that hides the damage from any later check. Only the
+    records of keys written are checked (not what ``--key-map`` drops)."""
     problems = Problems()
-    check_zip_crcs(index, problems, progress)
+    check_zip_crcs(index, problems, progress, only_keyed=True)
     if problems:
+        first = problems.items[0].removeprefix(f"{src}: ")  # the file is src itself
         more = f" (and {len(problems.items) - 1} more)" if len(problems.items) > 1 else ""
         raise CorruptModelCheckpointError(
             src,
-            f"is damaged, so nothing was written: {problems.items[0]}{more}. `lazyckpt verify "
-            "--read` lists every problem; --no-crc-check writes it as it is",
+            f"is damaged, so nothing was written: {first}{more}. `lazyckpt verify --read` lists "
+            "every problem; --no-crc-check writes it as it is",
         )
 
 
@@ -1068,12 +1086,11 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     for note in index.notes:  # what the index leaves out is not written either
         _note(note)
     progress = _progress_enabled() and not args.json
-    if not args.no_crc_check:
-        _check_source_crcs(src, index, progress)
     for stale in stale_work_folders(args.dst):
         _note(
-            f"{stale} is the work folder of an earlier reshard to {args.dst} that was killed "
-            f"({human(_tree_bytes(stale))}); it is not used: remove it (rm -rf)"
+            f"{stale} ({human(_tree_bytes(stale))}) looks like the work folder of an earlier "
+            f"reshard to {args.dst} that was killed; it is not used: if no other reshard to it "
+            "is running, remove it (rm -rf)"
         )
     try:
         was_cwd = os.path.samefile(args.dst, os.getcwd())
@@ -1092,6 +1109,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         progress=progress,
         options=replace(RESHARD_OPTIONS, restrict=base.restrict, key_map=base.key_map),
         loader=loader,
+        before_writing=None if args.no_crc_check else partial(_check_source_crcs, src, progress),
     )
     if was_cwd:  # the shell stays in the folder the rename replaced, which looks empty
         _note(f"{result.dst} was the current folder and is now a new one: cd into it again")

@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -489,6 +490,46 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
     ``dst`` was written, with nothing left beside it.
     """
     dst = Path(os.path.abspath(dst))
+    empty_dir = check_destination(dst, force=force)
+    created: list[Path] = []
+    parent = dst.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    for p in reversed(created):
+        p.mkdir()
+    tmp: Path | None = None
+    try:
+        try:
+            tmp = Path(
+                tempfile.mkdtemp(
+                    prefix=f"{_hidden(dst)}{os.getpid()}@{_host()}-",
+                    suffix=_WORK_SUFFIX,
+                    dir=dst.parent,
+                )
+            )
+        except OSError as exc:  # it names the hidden folder, which the user never asked for
+            raise type(exc)(
+                exc.errno, f"{exc.strerror}: cannot make a folder in {dst.parent} to write {dst}"
+            ) from None
+        # The folder prepared for it keeps its group and mode (setgid included); else a plain
+        # folder (mkdtemp makes it private).
+        mode = _take_place_of(tmp, dst) if empty_dir else 0o777 & ~_umask()
+        os.chmod(tmp, mode | stat.S_IRWXU)  # writable by its writer until it is done
+        yield tmp
+        os.chmod(tmp, mode)
+        _fsync_dir(tmp)
+        with _interrupts_deferred(f"{dst} was written"):
+            _publish(tmp, dst, force)
+            tmp = None
+    finally:
+        if tmp is not None:
+            _remove_all(tmp, created)
+
+
+def check_destination(dst: Path, *, force: bool) -> bool:
+    """Refuse a ``dst`` that :func:`atomic_folder` may not replace (see there); returns whether
+    it is an empty folder. Run by it, and by :func:`reshard` before anything long."""
     _check_replaceable(dst)
     empty_dir = dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())
     if (dst.exists() or dst.is_symlink()) and not force and not empty_dir:
@@ -502,53 +543,25 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
         raise DestinationError(
             f"{dst} is {what}; choose a new destination or pass --force to replace it"
         )
-    created: list[Path] = []
-    parent = dst.parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
-    for p in reversed(created):
-        p.mkdir()
-    tmp: Path | None = None
-    try:
-        try:
-            tmp = Path(
-                tempfile.mkdtemp(
-                    prefix=f"{_hidden(dst)}{os.getpid()}-", suffix=_WORK_SUFFIX, dir=dst.parent
-                )
-            )
-        except OSError as exc:  # it names the hidden folder, which the user never asked for
-            raise type(exc)(
-                exc.errno, f"{exc.strerror}: cannot make a folder in {dst.parent} to write {dst}"
-            ) from None
-        if empty_dir:  # the folder prepared for it: keep its group and mode (setgid included)
-            _take_place_of(tmp, dst)
-        else:
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is plain
-        yield tmp
-        _fsync_dir(tmp)
-        with _interrupts_deferred(f"{dst} was written"):
-            _publish(tmp, dst, force)
-            tmp = None
-    finally:
-        if tmp is not None:
-            _remove_all(tmp, created)
+    return empty_dir
 
 
-def _take_place_of(tmp: Path, dst: Path) -> None:
-    """Give ``tmp`` the group and mode of the empty folder ``dst`` it will replace (a shared
-    folder made group-writable and setgid for a team), before anything is written in it, so
-    that the files take its group too. The group is kept where this user may set it."""
+def _take_place_of(tmp: Path, dst: Path) -> int:
+    """Give ``tmp`` the group of the empty folder ``dst`` it will replace (a shared folder
+    made group-writable and setgid for a team), before anything is written in it, so that the
+    files take its group too (kept where this user may set it); returns ``dst``'s mode, which
+    ``tmp`` takes once written (a folder without the owner's write bit is written first)."""
     st = dst.stat()
     with contextlib.suppress(OSError):
         os.chown(tmp, -1, st.st_gid)
-    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+    return stat.S_IMODE(st.st_mode)
 
 
 def stale_work_folders(dst: str | os.PathLike[str]) -> list[Path]:
-    """The work folders beside ``dst`` left by earlier runs that were killed outright
-    (SIGKILL, the OOM killer, a power cut: every other ending removes them), whose process is
-    gone: hidden, they would hold a partial checkpoint's disk space unseen."""
+    """The work folders beside ``dst`` that earlier runs on this machine left when they were
+    killed outright (SIGKILL, the OOM killer, a power cut: every other ending removes them),
+    whose process is gone, and those of versions that did not name the run in them: hidden,
+    they would hold a partial checkpoint's disk space unseen."""
     dst = Path(os.path.abspath(dst))
     prefix = _hidden(dst)
     try:
@@ -558,8 +571,11 @@ def stale_work_folders(dst: str | os.PathLike[str]) -> list[Path]:
     found = []
     for name in names:
         m = _WORK_NAME.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-        if m is None or (m.group(1) is not None and _alive(int(m.group(1)))):
-            continue  # not one of dst's, or a run writing now
+        if m is None:
+            continue  # not one of dst's
+        pid, host = m.group(1), m.group(2)
+        if pid is not None and (host != _host() or _alive(int(pid))):
+            continue  # a run writing now, or another machine's (a shared file system)
         found.append(dst.parent / name)
     return sorted(found)
 
@@ -617,14 +633,21 @@ def _remove_all(tmp: Path, created: Sequence[Path]) -> None:
 
 _WORK_SUFFIX = ".lazyckpt-tmp"
 """The end of a work folder's name: ``.{dst name}.{pid}-{random}.lazyckpt-tmp``."""
-_WORK_NAME = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}\.lazyckpt-tmp")
-"""What follows ``.{dst name}.`` in a work folder's name (no pid before 2026-11-28)."""
+_WORK_NAME = re.compile(r"(?:(\d{1,9})@([A-Za-z0-9_]{1,32})-)?[a-z0-9_]{8}\.lazyckpt-tmp")
+"""What follows ``.{dst name}.`` in a work folder's name: the pid and host of the run writing
+it (none before 2026-11-28), then mkdtemp's random part."""
+
+
+def _host() -> str:
+    """This machine's name as a work folder's name holds it (letters, digits, ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0])[:32] or "host"
 
 
 def _hidden(dst: Path) -> str:
-    """The prefix of a hidden folder beside ``dst``: its name cut so that the prefix, 8 random
-    characters and a suffix fit a file name (255 bytes) however long ``dst``'s name is."""
-    name = os.fsdecode(os.fsencode(dst.name)[:200])  # a name need not be UTF-8
+    """The prefix of a hidden folder beside ``dst``: its name cut so that the prefix, the run's
+    pid and host (up to 43 bytes), 8 random characters and the suffix fit a file name (255
+    bytes) however long ``dst``'s name is."""
+    name = os.fsdecode(os.fsencode(dst.name)[:180])  # a name need not be UTF-8
     return f".{name}."
 
 
@@ -838,6 +861,7 @@ def reshard(
     progress: bool = False,
     options: ModelCheckpointLoadOptions | None = None,
     loader: IndexedCheckpointLoader | None = None,
+    before_writing: Callable[[CheckpointIndex], None] | None = None,
 ) -> ReshardResult:
     """Write ``src`` to ``dst`` for ``tp`` x ``dp`` ranks, streaming one tensor at a time.
 
@@ -894,6 +918,9 @@ def reshard(
     sidecar_bytes = {n: _read_sidecar(src_root / n, dtype) for n in sidecars}  # fail before
     if base.verify_replicas:
         _check_replicas(index, shard_dims, base)
+    check_destination(dst_path, force=force)  # all of dst's checks before a long one
+    if before_writing is not None:
+        before_writing(index)  # the caller's (the CLI's check of the source's CRC-32s)
     total = sum(o.nbytes for o in outputs)
     index_file = (
         "model.safetensors.index.json" if fmt == "safetensors" and tp == 1 and dp == 1 else None

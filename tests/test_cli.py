@@ -26,6 +26,7 @@ from helpers import SAMPLE_DIMS, expected, same_bits, sample_state_dict, write_c
 from safetensors.torch import load_file, save_file
 
 import lazyckpt
+from lazyckpt import writers
 from lazyckpt.cli import main
 from lazyckpt.demo import LLAMA_PARAMS, build_llama_mp
 from lazyckpt.writers import TensorSpec, TorchSaveWriter, parse_size
@@ -245,6 +246,20 @@ def test_verify_goes_on_past_a_bad_key_under_a_key_map(
     assert rc == 1 and len(doc["problems"]) == 1 and wq in doc["problems"][0], doc
     assert doc["keys"] == len(full) - 1, doc  # output.weight stays dropped
     assert "note" not in err, err
+
+
+def test_verify_under_a_key_map_that_shifts_names_drops_only_the_bad_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # l1 is bad; the map gives l0 the name l1. Dropping "l1" must drop the checkpoint's l1,
+    # not l0 too (it used to: l0 went unchecked while the report counted it).
+    torch.save({"l0": torch.ones(2), "l1": "oops", "l2": torch.ones(2)}, tmp_path / "m.pt")
+    spec = tmp_path / "shift.json"
+    spec.write_text(json.dumps({"l0": "l1", "l1": "l2", "l2": "l3"}))
+    rc, out, _ = run(capsys, "verify", tmp_path / "m.pt", "--key-map", spec, "--read", "--json")
+    doc = json.loads(out)
+    assert rc == 1 and len(doc["problems"]) == 1 and "'l1'" in doc["problems"][0], doc
+    assert doc["keys"] == 3, doc  # l0 and l2 read and checked, besides the bad l1
 
 
 # -- errors and exit codes -------------------------------------------------------------------
@@ -733,6 +748,22 @@ def test_reshard_refuses_a_source_whose_bytes_fail_their_crc(
                      _dims_file(tmp_path, {"w": 0}))
     assert rc == 1 and "is damaged, so nothing was written" in err and "'w'" in err, err
     assert not dst.exists()
+    # The destination is checked first (the pass reads every byte), and only the records of
+    # keys written are checked: a damaged one that --key-map drops does not block.
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    rc, _, err = run(capsys, "reshard", src, tmp_path / "full", "--tp", "1", "--format",
+                     "safetensors")
+    assert rc == 2 and "not empty" in err, err
+    torch.save({"w": w, "ok": torch.ones(3)}, tmp_path / "two.pt")
+    raw = bytearray((tmp_path / "two.pt").read_bytes())
+    raw[raw.find(w.numpy().tobytes()) + 100] ^= 0x40
+    (tmp_path / "two.pt").write_bytes(raw)
+    (tmp_path / "drop.json").write_text('{"w": null}')
+    rc, _, err = run(capsys, "reshard", tmp_path / "two.pt", tmp_path / "ok", "--tp", "1",
+                     "--format", "safetensors", "--key-map", tmp_path / "drop.json")
+    assert rc == 0, err
+    assert list(load_file(tmp_path / "ok" / "model-00001-of-00001.safetensors")) == ["ok"]
     rc, _, err = run(capsys, "reshard", src, dst, "--tp", "2", "--shard-dims",
                      _dims_file(tmp_path, {"w": 0}), "--no-crc-check")
     assert rc == 0, err
@@ -766,6 +797,13 @@ def test_reshard_destination_details(
     os.chmod(dst, 0o2770)
     doc = run_json(capsys, "reshard", folder, dst, "--tp", "1", "--format", "safetensors")
     assert stat.S_IMODE(dst.stat().st_mode) == 0o2770 and dst.stat().st_gid == gid
+    # One its owner may not write to is written, then given that mode.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    rc, _, err = run(capsys, "reshard", folder, locked, "--tp", "1", "--format", "safetensors")
+    assert rc == 0 and stat.S_IMODE(locked.stat().st_mode) == 0o555, err
+    assert (locked / "model.safetensors.index.json").exists()
     assert {p.stat().st_gid for p in dst.iterdir()} == {gid}
     # The index written is listed with the files.
     assert doc["index"] == "model.safetensors.index.json"
@@ -773,14 +811,18 @@ def test_reshard_destination_details(
     # Work folders of killed runs into the same destination are named; a live run's, or
     # another destination's, are not.
     out = tmp_path / "out"
-    dead = tmp_path / ".out.999999999-abcd1234.lazyckpt-tmp"
-    for name in (dead.name, f".out.{os.getpid()}-abcd1234.lazyckpt-tmp",
-                 ".out.b.999999999-abcd1234.lazyckpt-tmp"):
+    host = writers._host()
+    dead = tmp_path / f".out.999999999@{host}-abcd1234.lazyckpt-tmp"
+    unnamed = tmp_path / ".out.abcd1234.lazyckpt-tmp"  # written before runs were named in it
+    for name in (dead.name, unnamed.name, f".out.{os.getpid()}@{host}-abcd1234.lazyckpt-tmp",
+                 ".out.999999999@elsewhere-abcd1234.lazyckpt-tmp",  # a shared file system's
+                 f".out.b.999999999@{host}-abcd1234.lazyckpt-tmp"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"x" * 3000)
     rc, _, err = run(capsys, "reshard", folder, out, "--tp", "1", "--format", "safetensors")
     assert rc == 0, err
-    assert err.count("work folder of an earlier reshard") == 1 and str(dead) in err, err
+    assert err.count("work folder of an earlier reshard") == 2, err
+    assert str(dead) in err and str(unnamed) in err
     # Written over the current folder: the shell is left in the replaced one, so it is said.
     monkeypatch.chdir(out)
     rc, _, err = run(capsys, "reshard", folder, ".", "--tp", "1", "--format", "safetensors",

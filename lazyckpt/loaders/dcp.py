@@ -439,14 +439,21 @@ def _check_one_save(fqn: str, places: dict[tuple[Any, ...], Path], folder: Path)
     no save writes that, but a save with fewer ranks over an earlier one does, overwriting
     ``__0.metadata`` ... and leaving the earlier save's higher ranks' files. (The plan would
     refuse the overlap too, as damaged metadata.)"""
-    spans = sorted(
+    live = [
         (offsets, sizes, path)
         for (offsets, sizes), path in places.items()
         if offsets and sizes and len(offsets) == len(sizes) and all(n > 0 for n in sizes)
-    )
+    ]
+    live = [c for c in live if len(c[0]) == len(live[0][0])] if live else live
+    if len(live) < 2:
+        return
+    # Swept along the dim the chunks are cut on most (dim 1 for a TP split of a weight's
+    # columns), so that each chunk meets only its neighbours there.
+    d = max(range(len(live[0][0])), key=lambda i: len({off[i] for off, _, _ in live}))
+    spans = sorted(live, key=lambda c: c[0][d])
     for i, (a_off, a_size, a_path) in enumerate(spans):
         for b_off, b_size, b_path in spans[i + 1 :]:
-            if b_off[0] >= a_off[0] + a_size[0]:
+            if b_off[d] >= a_off[d] + a_size[d]:
                 break
             if b_path == a_path:
                 continue
