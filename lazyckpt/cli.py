@@ -600,25 +600,12 @@ class Problems:
 
 
 def _drop(keys: frozenset[str], base: ModelCheckpointLoadOptions | None) -> KeyMap | None:
-    """The caller's ``key_map`` (``--key-map``) with ``keys`` dropped as well. An error names a
-    key as the checkpoint does or as the map renames it: a name is taken as the checkpoint's
-    unless only the map gives it (so a map that shifts names, ``l0 -> l1 -> l2``, does not
-    drop ``l0`` for a bad ``l1``)."""
+    """The caller's ``key_map`` (``--key-map``) with ``keys``, checkpoint keys (as errors and
+    the checks here name them), dropped as well."""
     user = base.key_map if base is not None else None
     if not keys:
         return user
-    renamed_to: set[str] = set()
-    if isinstance(user, KeyMapFile):
-        given = {new for new in user.mapping.values() if new is not None}
-        renamed_to = {k for k in keys if k in given and k not in user.mapping}
-
-    def key_map(k: str) -> str | None:
-        target = apply_key_map(user, k)
-        if (k in keys and k not in renamed_to) or target in renamed_to:
-            return None
-        return target
-
-    return key_map
+    return lambda k: None if k in keys else apply_key_map(user, k)
 
 
 def index_collecting(
@@ -650,7 +637,8 @@ def index_collecting(
 
 
 def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Problems) -> set[str]:
-    """Coverage, overlap and bounds of every chunk of every key; returns the bad keys."""
+    """Coverage, overlap and bounds of every chunk of every key; returns the bad keys, as the
+    checkpoint names them."""
     bad: set[str] = set()
     sizes: dict[Path, int] = {}
 
@@ -665,7 +653,7 @@ def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Pro
             check_copies(index, (entry,))
         except ModelCheckpointError as exc:
             problems.add(exc)
-            bad.add(entry.key)
+            bad.add(entry.checkpoint_key)
             continue
         for copy in entry.copies:
             for chunk in copy:
@@ -685,7 +673,7 @@ def check_entries(index: CheckpointIndex, dims: Mapping[str, int], problems: Pro
                         )
                 except (ModelCheckpointError, OSError) as exc:
                     problems.add(exc)
-                    bad.add(entry.key)
+                    bad.add(entry.checkpoint_key)
     return bad
 
 
@@ -715,23 +703,23 @@ def read_collecting(
             stats=stats,
             progress=progress,
         )
-        order: list[str] = []
+        order: list[tuple[str, str]] = []  # (name, checkpoint key), in the order yielded
         yielded = 0
         try:
             index, _ = loader.plan(path, dims, options)
-            order = list(index.entries)
+            order = [(k, e.checkpoint_key) for k, e in index.entries.items()]
             if not order:
                 return len(done)
-            for key, tensor in loader.lazy_load(path, dims, options):
+            for _key, tensor in loader.lazy_load(path, dims, options):
                 del tensor
-                done.append(key)
+                done.append(order[yielded][1])
                 yielded += 1
             return len(done)
         except (ModelCheckpointError, OSError) as exc:
-            failed = order[yielded] if yielded < len(order) else key_of(exc)
+            name, failed = order[yielded] if yielded < len(order) else (None, key_of(exc))
             message = _one_line(exc)
             if isinstance(exc, OSError) and failed is not None:
-                message = f"{path}: key {failed!r}: read failed: {message}"
+                message = f"{path}: key {name or failed!r}: read failed: {message}"
             problems.add(message)
             if failed is None or failed in skipped:
                 return len(done)

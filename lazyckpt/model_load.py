@@ -473,6 +473,16 @@ _TORCH_LOADERS = ("torch.nn.modules.batchnorm", "torch.nn.modules.instancenorm")
 versions' keys (``num_batches_tracked``), which a checkpoint of this torch does not need."""
 
 
+def _hook_name(fn: Any) -> tuple[str, str]:
+    """A hook's name and module: a function's, a ``functools.partial``'s function's, a callable
+    object's class's (its repr holds an address), else its repr."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    what = getattr(named, "__qualname__", None) or repr(fn)
+    return what, getattr(named, "__module__", None) or ""
+
+
 def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
     """Warn, before anything is written, of the modules whose ``load_state_dict`` does more
     than copy: load pre-hooks (which rename legacy keys, convert values) and overrides of
@@ -493,11 +503,8 @@ def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
     found = []
     for name, module in model.named_modules():
         for hook in module._load_state_dict_pre_hooks.values():
-            fn = getattr(hook, "hook", hook)
-            named = fn if hasattr(fn, "__qualname__") else type(fn)  # a callable object: its class
-            what = named.__qualname__
-            torchs = getattr(named, "__module__", "").startswith("torch.")
-            if not (torchs and what.endswith(_TORCH_PRE_HOOKS)):
+            what, where = _hook_name(getattr(hook, "hook", hook))
+            if not (where.startswith("torch.") and what.endswith(_TORCH_PRE_HOOKS)):
                 found.append(f"{name or 'the model'}: load_state_dict pre-hook {what}")
         impl = type(module)._load_from_state_dict
         if impl is not nn.Module._load_from_state_dict and impl.__module__ not in _TORCH_LOADERS:

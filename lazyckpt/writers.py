@@ -515,13 +515,14 @@ def atomic_folder(dst: str | os.PathLike[str], *, force: bool = False) -> Iterat
         # The folder prepared for it keeps its group and mode (setgid included); else a plain
         # folder (mkdtemp makes it private).
         mode = _take_place_of(tmp, dst) if empty_dir else 0o777 & ~_umask()
-        os.chmod(tmp, mode | stat.S_IRWXU)  # writable by its writer until it is done
+        os.chmod(tmp, mode | stat.S_IRWXU)  # writable by its writer until it is in place
         yield tmp
-        os.chmod(tmp, mode)
         _fsync_dir(tmp)
         with _interrupts_deferred(f"{dst} was written"):
             _publish(tmp, dst, force)
             tmp = None
+            if mode & stat.S_IRWXU != stat.S_IRWXU:  # the mode of the folder it replaced
+                os.chmod(dst, mode)
     finally:
         if tmp is not None:
             _remove_all(tmp, created)

@@ -260,6 +260,23 @@ def test_verify_under_a_key_map_that_shifts_names_drops_only_the_bad_key(
     doc = json.loads(out)
     assert rc == 1 and len(doc["problems"]) == 1 and "'l1'" in doc["problems"][0], doc
     assert doc["keys"] == 3, doc  # l0 and l2 read and checked, besides the bad l1
+    # And the other way: a model-parallel set whose replica l0 differs between its ranks, under
+    # a map naming it l1; the good l1 (named l2) must still be read: the same bytes as without
+    # the map (it used to be dropped for the bad key's new name).
+    folder = tmp_path / "mp"
+    folder.mkdir()
+    for r in range(2):
+        sd = {"l0": torch.ones(4) + r, "l1": torch.full((4,), 2.0), "w": torch.ones(4, 2) * r}
+        torch.save(sd, folder / f"consolidated.0{r}.pth")
+    dims = _dims_file(tmp_path, {"w": 1})
+    spec.write_text(json.dumps({"l0": "l1", "l1": "l2"}))
+    docs = []
+    for extra in ([], ["--key-map", spec]):
+        rc, out, _ = run(capsys, "verify", folder, "--read", "--shard-dims", dims, *extra, "--json")
+        docs.append(json.loads(out))
+        assert rc == 1 and len(docs[-1]["problems"]) == 1, docs[-1]
+    assert "checkpoint key 'l0'" in docs[1]["problems"][0]
+    assert docs[0]["bytes_read"] == docs[1]["bytes_read"], docs
 
 
 # -- errors and exit codes -------------------------------------------------------------------

@@ -1106,3 +1106,20 @@ def test_the_suggested_key_map_renames_only_what_the_prefix_makes_model_keys(
         root, tmp_path / "c.pt", options=lazyckpt.ModelCheckpointLoadOptions(key_map=key_map)
     )
     assert sorted(report.loaded) == sorted(model_keys) and not report.unexpected, info.value
+
+
+def test_load_hooks_of_any_kind_are_named(tmp_path: Path) -> None:
+    # A partial is named by its function, and a hook without a module (made by exec) is no crash.
+    import functools
+
+    def user_hook(module, state_dict, prefix, *args, extra=None):  # type: ignore[no-untyped-def]
+        pass
+
+    scope: dict[str, object] = {}
+    exec("def made(module, state_dict, prefix, *args):\n    pass", scope)
+    for hook, name in ((functools.partial(user_hook, extra=1), "user_hook"), (scope["made"], "made")):
+        model = nn.Linear(2, 2)
+        model._register_load_state_dict_pre_hook(hook)
+        path = _saved(tmp_path, model)
+        with pytest.warns(UserWarning, match=rf"the model: load_state_dict pre-hook \S*{name}\. "):
+            lazyckpt.load_into(model, path)
