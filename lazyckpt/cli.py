@@ -842,19 +842,15 @@ def _stored_crc(fd: int, start: int, stop_limit: int, info: zipfile.ZipInfo, bar
     stop = start + info.file_size
     if stop > stop_limit:
         raise EOFError(f"its {info.file_size} bytes run past the end of its zip")
-    buf = bytearray(min(_CRC_BLOCK, info.file_size))
-    view = memoryview(buf)
+    view = memoryview(bytearray(min(_CRC_BLOCK, info.file_size)))
     crc, pos = 0, start
-    try:
-        while pos < stop:
-            n = os.preadv(fd, [view[: min(len(buf), stop - pos)]], pos)
-            if n <= 0:
-                raise EOFError("the file ends inside it: it was cut")
-            crc = zlib.crc32(view[:n], crc)  # the GIL is released while it sums
-            bar.update(n)
-            pos += n
-    finally:
-        view.release()
+    while pos < stop:
+        n = os.preadv(fd, [view[: min(len(view), stop - pos)]], pos)
+        if n <= 0:
+            raise EOFError("the file ends inside it: it was cut")
+        crc = zlib.crc32(view[:n], crc)  # the GIL is released while it sums
+        bar.update(n)
+        pos += n
     if crc != info.CRC:
         raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
     return info.file_size

@@ -633,7 +633,7 @@ def _remove_all(tmp: Path, created: Sequence[Path]) -> None:
 
 
 _WORK_SUFFIX = ".lazyckpt-tmp"
-"""The end of a work folder's name: ``.{dst name}.{pid}-{random}.lazyckpt-tmp``."""
+"""The end of a work folder's name: ``.{dst name}.{pid}@{host}-{random}.lazyckpt-tmp``."""
 _WORK_NAME = re.compile(r"(?:(\d{1,9})@([A-Za-z0-9_]{1,32})-)?[a-z0-9_]{8}\.lazyckpt-tmp")
 """What follows ``.{dst name}.`` in a work folder's name: the pid and host of the run writing
 it (none before 2026-11-28), then mkdtemp's random part."""
