@@ -57,7 +57,8 @@ def _stop_at_exit() -> None:
     finalizes: a stream left suspended at exit (held in a global, or in a cycle) keeps its
     worker, a daemon thread, and one inside a torch call when Python finalizes is ended with
     ``pthread_exit``, which unwinds through torch's C++ frames into ``std::terminate``: the
-    process aborted (exit status 134) instead of exiting."""
+    process aborted (exit status 134) instead of exiting. A read that hangs (a lost network
+    mount) is waited for ``_EXIT_WAIT_S`` at most, so that exit does not hang with it."""
     running = list(_RUNNING)
     for state, _ in running:
         with state.cond:
@@ -65,9 +66,10 @@ def _stop_at_exit() -> None:
             state.cond.notify_all()
     for _, worker in running:
         if worker is not threading.current_thread():
-            worker.join()
+            worker.join(_EXIT_WAIT_S)
 
 
+_EXIT_WAIT_S = 30.0
 atexit.register(_stop_at_exit)
 
 
