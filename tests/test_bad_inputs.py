@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import expected, pickle_long1, rewrite_zip, same_bits
+from helpers import expected, load_all, pickle_long1, rewrite_zip, same_bits
 from safetensors.torch import save_file
 
 import lazyckpt
@@ -1225,6 +1225,20 @@ def test_mp_missing_rank_file(tmp_path: Path, ranks: list[int], names: tuple[str
         [f"consolidated.{r:02d}.pth" for r in ranks],
     )
     fails(folder, CORRUPT, ("mp_set", *names), eager=True, shard_dims=MP_DIMS)
+
+
+def test_mp_missing_last_rank_file_is_told_by_metas_checklist(tmp_path: Path) -> None:
+    # A lost last rank leaves no gap in the numbers: the set loaded as MP-3, smaller tensors
+    # and no word. Meta's downloads list every file in checklist.chk (md5sum lines).
+    import hashlib
+
+    names = [f"consolidated.{r:02d}.pth" for r in range(4)]
+    folder = write_mp(tmp_path / "mp_set", mp_shards(4), names)
+    lines = [f"{hashlib.md5((folder / n).read_bytes()).hexdigest()}  {n}" for n in names]
+    (folder / "checklist.chk").write_text("\n".join([*lines, "0123  params.json"]) + "\n")
+    load_all(folder, MP_DIMS)  # whole: loads
+    (folder / names[3]).unlink()
+    fails(folder, CORRUPT, ("mp_set", "consolidated.03.pth", "checklist.chk"), eager=True, shard_dims=MP_DIMS)
 
 
 @pytest.mark.parametrize(

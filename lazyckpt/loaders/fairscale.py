@@ -67,8 +67,24 @@ def _copy_note(archives: list[TorchArchive], entries: Mapping[str, TensorEntry])
     return None
 
 
+_CHECKLIST = "checklist.chk"
+"""What Meta's downloads ship beside the rank files: ``md5sum`` lines, one per file."""
+
+
+def _checklisted(folder: Path) -> list[str]:
+    """The file names ``checklist.chk`` lists (none where it is missing or unreadable)."""
+    try:
+        with open(folder / _CHECKLIST, "rb") as f:
+            text = f.read(1 << 20).decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.split()[-1].lstrip("*") for line in text.splitlines() if len(line.split()) >= 2]
+
+
 def rank_files(folder: Path) -> list[Path]:
-    """The rank files of ``folder`` in rank order, checked to be numbered 0..N-1 without gaps."""
+    """The rank files of ``folder`` in rank order, checked to be numbered 0..N-1 without gaps,
+    and to be all that Meta's ``checklist.chk`` lists where it is there (a lost last rank leaves
+    no gap: the set would load as a smaller one)."""
     numbered: dict[int, list[str]] = {}
     for name in os.listdir(folder):
         m = FILE_RE.fullmatch(name)
@@ -81,6 +97,17 @@ def rank_files(folder: Path) -> list[Path]:
             raise CorruptModelCheckpointError(
                 folder, f"has several files for rank {rank} ({', '.join(sorted(names))}); keep one"
             )
+    listed = _checklisted(folder)
+    absent = sorted(
+        n for n in listed if (m := FILE_RE.fullmatch(n)) and int(m.group(1)) not in numbered
+    )
+    if absent:  # the last ranks lost leave no gap in the numbers: Meta's list tells
+        raise CorruptModelCheckpointError(
+            folder,
+            f"lacks {absent[0]}{f' and {len(absent) - 1} more' if len(absent) > 1 else ''}, "
+            f"which {_CHECKLIST} lists: the set is incomplete (the download stopped, or a "
+            "file was lost); download it again",
+        )
     n = max(numbered) + 1
     missing = [r for r in range(n) if r not in numbered]
     if missing:
