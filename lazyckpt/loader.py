@@ -100,15 +100,16 @@ class KeyRules:
             dim = self.infer(target, shard_shapes)
         return dim
 
-    def misnamed(self, source_key: str, source_keys: Iterable[str]) -> str | None:
-        """Why ``shard_dims`` misses ``source_key``, where it names the key as the checkpoint
-        does while ``key_map`` renames it (``shard_dims`` takes the names after ``key_map``),
-        and no other of ``source_keys`` (the checkpoint's keys) takes that name; else
-        ``None``. Asked on error paths only."""
+    def refuse_misnamed(self, path: Path, source_key: str, source_keys: Iterable[str]) -> None:
+        """Refuse (``ValueError`` naming ``path``) ``shard_dims`` that misses ``source_key``
+        because it names the key as the checkpoint does while ``key_map`` renames it
+        (``shard_dims`` takes the names after ``key_map``), where no other of ``source_keys``
+        (the checkpoint's keys) takes that name. Asked on error paths only, where the key's
+        shards did not join as a replica's would."""
         message = misnamed_message(self.shard_dims, source_key, self.target(source_key))
-        if message is not None and any(self.target(k) == source_key for k in source_keys):
-            return None  # the name is another key's, after key_map
-        return message
+        if message is None or any(self.target(k) == source_key for k in source_keys):
+            return  # named right, or the name is another key's after key_map
+        raise ValueError(f"{path}: {message}") from None
 
 
 def misnamed_message(

@@ -246,9 +246,7 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 _check_split_order(path, key, dim, shapes)
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
-                misnamed = rules.misnamed(key, first)
-                if misnamed is not None:
-                    raise ValueError(f"{path}: {misnamed}") from None
+                rules.refuse_misnamed(path, key, first)
                 raise CorruptModelCheckpointError(path, f"key {key!r}: {exc}", key=key) from None
             except ValueError as exc:
                 raise ValueError(f"{path}: key {key!r}: {exc}") from None
@@ -273,9 +271,7 @@ def _differing_replicas(
         odd = differing_copy([(archive, flat[key]) for _, archive, flat in ranks])
         if odd is None:
             continue
-        misnamed = rules.misnamed(key, ranks[0][2])
-        if misnamed is not None:
-            raise ValueError(f"{path}: {misnamed}")
+        rules.refuse_misnamed(path, key, ranks[0][2])
         found[entry.key] = (
             ranks[odd][0],
             replica_differs(entry, ranks[0][0].name, ranks[odd][0].name, CRC_PROOF),

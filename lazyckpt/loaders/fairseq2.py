@@ -145,9 +145,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                     dim = rules.shard_dim(key, [_tp_shape(row) for row in cells])
                     dtype, shape, copies = assemble_grid(cells, dim)
                 except PlanError as exc:
-                    misnamed = rules.misnamed(key, first)
-                    if misnamed is not None:
-                        raise ValueError(f"{path}: {misnamed}") from None
+                    rules.refuse_misnamed(path, key, first)
                     raise CorruptModelCheckpointError(
                         stage, f"key {key!r}: {exc}", key=key
                     ) from None
@@ -157,9 +155,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                 if len(copies) > 1:
                     copy = _differing_replica(key, grid)
                     if copy is not None:
-                        misnamed = rules.misnamed(key, first)
-                        if misnamed is not None:
-                            raise ValueError(f"{path}: {misnamed}")
+                        rules.refuse_misnamed(path, key, first)
                         differing[target] = _differing_message(path, entry, grid_files, *copy)
                 add_entry(entries, entry)
         if differing:
