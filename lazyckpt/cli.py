@@ -803,23 +803,20 @@ def _check_records(
     for info in zf.infolist():
         if info.CRC == 0 or info.file_size == 0:
             continue  # written without CRC-32s: nothing to compare with
-        if only_keyed:
-            start = _record_start(zf.fp, info)
-            if not any(a < start + info.file_size and b > start for a, b, _ in keyed):
-                continue
+        start = _record_start(zf.fp, info)  # from the zip's start
+        if only_keyed and not any(a < start + info.file_size and b > start for a, b, _ in keyed):
+            continue
         try:
             if info.compress_type == zipfile.ZIP_STORED:
                 with zf.open(info):  # checks the record's header, reads none of its bytes
                     pass
-                start = offset + _record_start(zf.fp, info)
-                checked += _stored_crc(fd, start, offset + length, info, bar)
+                checked += _stored_crc(fd, offset + start, offset + length, info, bar)
                 continue
             with zf.open(info) as member:
                 while block := member.read(16 << 20):
                     bar.update(len(block))
                     checked += len(block)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-            start = _record_start(zf.fp, info)
             stop = start + info.file_size
             keys = sorted({k for a, b, k in keyed if a < stop and b > start})
             named = ", ".join(f"key {k!r}" for k in keys) or "no tensor"

@@ -28,6 +28,7 @@ from lazyckpt.index import CheckpointIndex, Chunk, FileRegion, LazyRegion, Tenso
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import member_path
+from lazyckpt.plan import Box, intersect
 from lazyckpt.torch_zip import (
     PickleMemo,
     ShapeMemo,
@@ -455,12 +456,7 @@ def _check_one_save(fqn: str, places: dict[tuple[Any, ...], Path], folder: Path)
         for b_off, b_size, b_path in spans[i + 1 :]:
             if b_off[d] >= a_off[d] + a_size[d]:
                 break
-            if b_path == a_path:
-                continue
-            if all(
-                max(ao, bo) < min(ao + asz, bo + bsz)
-                for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)
-            ):
+            if b_path != a_path and intersect(Box(a_off, a_size), Box(b_off, b_size)):
                 raise CorruptModelCheckpointError(
                     folder,
                     f"key {fqn!r}: {b_path.name} places a chunk (offsets {b_off}, sizes "
