@@ -28,6 +28,7 @@ __all__ = [
     "find_index_file",
     "leave_out_variants",
     "read_hf_index",
+    "variant_index_notes",
 ]
 
 _HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
@@ -35,15 +36,23 @@ _HF_TORCH = re.compile(r"(diffusion_)?pytorch_model(.*)\.bin(\.index\.json)?")
 ``diffusion_pytorch_model*`` beside ``diffusion_pytorch_model*.safetensors``), and their index;
 the rest of the name (shard numbers, a variant such as ``.fp16``) is the same in both formats."""
 _SHARDS = re.compile(r"(-\d+-of-\d+)?")
+_HF_FAMILIES = {
+    ".safetensors": "model|diffusion_pytorch_model",
+    ".bin": "pytorch_model|diffusion_pytorch_model",
+}
+"""The names Hugging Face saves a model's default weights under, by the suffix of the format."""
 _HF_VARIANT = {
-    ".safetensors": re.compile(
-        r"(model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.safetensors"
-    ),
-    ".bin": re.compile(r"(pytorch_model|diffusion_pytorch_model)\.([^.]+?)(?:-\d+-of-\d+)?\.bin"),
+    suffix: re.compile(rf"({families})\.([^.]+?)(?:-\d+-of-\d+)?{re.escape(suffix)}")
+    for suffix, families in _HF_FAMILIES.items()
 }
 """A variant of a Hugging Face weights file (``model.fp16.safetensors``, diffusers'
 ``diffusion_pytorch_model.non_ema.safetensors``, ``pytorch_model.fp16.bin``), by the suffix of
 its format: loaded only where asked for by name."""
+_HF_VARIANT_INDEX = {
+    suffix: re.compile(rf"({families})\.[^.]+{re.escape(suffix)}\.index\.json")
+    for suffix, families in _HF_FAMILIES.items()
+}
+"""A variant's own index (``diffusion_pytorch_model.fp16.safetensors.index.json``)."""
 ADAPTER = re.compile(r"adapter_model\.(safetensors|bin)")
 """The file PEFT saves an adapter (LoRA, ...) in, beside the model's weights or alone."""
 _HF_WEIGHTS = re.compile(
@@ -55,10 +64,6 @@ _NUMBERED = re.compile(r"(.+)-(\d+)-of-(\d+)(\.[^-]+)")
 """A file of a sharded set (``model-00001-of-00004.safetensors``): its prefix, its number, the
 set's count and its suffix; Hugging Face's writers pad the number to the count's width, which
 tells their sets from names such as ``ckpt-epoch-3-of-10.pt``."""
-_HF_VARIANT_INDEX = {
-    ".safetensors": re.compile(r"(model|diffusion_pytorch_model)\.[^.]+\.safetensors\.index\.json"),
-    ".bin": re.compile(r"(pytorch_model|diffusion_pytorch_model)\.[^.]+\.bin\.index\.json"),
-}
 
 
 def torch_twins(safetensors_names: Sequence[str], torch_names: Sequence[str]) -> bool:
@@ -206,6 +211,16 @@ def hf_variant_indexes(names: Sequence[str], suffix: str) -> set[str]:
         ):
             out.add(n)
     return out
+
+
+def variant_index_notes(names: Iterable[str]) -> list[str]:
+    """The notes on the variant indexes :func:`hf_variant_indexes` found, which the folder's
+    load leaves out."""
+    return [
+        f"ignored {n}: the index of a variant of the default weights beside it, loaded only "
+        "where asked for (as Hugging Face does): pass the index to load it"
+        for n in sorted(names)
+    ]
 
 
 _MAX_INDEX_BYTES = 256 << 20

@@ -38,6 +38,7 @@ from lazyckpt.loaders._files import (
     hf_variant_indexes,
     leave_out_variants,
     read_hf_index,
+    variant_index_notes,
 )
 from lazyckpt.loaders.torch_files import INDEX_SUFFIXES as TORCH_INDEX_SUFFIXES
 from lazyckpt.loaders.torch_files import SUFFIXES as TORCH_SUFFIXES
@@ -399,11 +400,7 @@ class SafetensorsCheckpointLoader(IndexedCheckpointLoader):
             listing,
         )
         file_set = read_hf_index(index, (SUFFIX,)) if index is not None else None
-        notes = [
-            f"ignored {n}: the index of a variant of the default weights beside it, loaded "
-            "only where asked for (as Hugging Face does): pass the index to load it"
-            for n in sorted(variant_indexes)
-        ]
+        notes = variant_index_notes(variant_indexes)
         if file_set is None:
             file_set = folder_file_set(path, (SUFFIX,))
             leave_out_variants(file_set, SUFFIX, _keys)

@@ -20,6 +20,7 @@ from lazyckpt.loaders._files import (
     hf_variant_indexes,
     leave_out_variants,
     read_hf_index,
+    variant_index_notes,
 )
 from lazyckpt.options import ModelCheckpointLoadOptions
 from lazyckpt.paths import names_ending
@@ -123,9 +124,5 @@ class TorchCheckpointLoader(IndexedCheckpointLoader):
 
             leave_out_variants(file_set, ".bin", keys)
             check_complete(file_set)
-        file_set.notes += [
-            f"ignored {n}: the index of a variant of the default weights beside it, loaded "
-            "only where asked for (as Hugging Face does): pass the index to load it"
-            for n in sorted(variant_indexes)
-        ]
+        file_set.notes += variant_index_notes(variant_indexes)
         return file_set
