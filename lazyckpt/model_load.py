@@ -488,27 +488,21 @@ def _warn_bypassed_hooks(model: nn.Module, path: Path) -> None:
     than copy: load pre-hooks (which rename legacy keys, convert values) and overrides of
     ``_load_from_state_dict``. ``load_into`` writes each tensor in place and calls neither, so
     what they do is not done; torch's own, whose work it does its way, are not named."""
-    plain: dict[type, bool] = {}  # a class whose load_state_dict only copies
-    for module in model.modules():  # the quick pass: names only where something is found
-        kind = type(module)
-        if kind not in plain:
-            impl = kind._load_from_state_dict
-            plain[kind] = (
-                impl is nn.Module._load_from_state_dict or impl.__module__ in _TORCH_LOADERS
-            )
-        if module._load_state_dict_pre_hooks or not plain[kind]:
-            break
-    else:
-        return
+    plain: dict[type, bool] = {}  # a class whose load_state_dict only copies, by class
     found = []
     for name, module in model.named_modules():
         for hook in module._load_state_dict_pre_hooks.values():
             what, where = _hook_name(getattr(hook, "hook", hook))
             if not (where.startswith("torch.") and what.endswith(_TORCH_PRE_HOOKS)):
                 found.append(f"{name or 'the model'}: load_state_dict pre-hook {what}")
-        impl = type(module)._load_from_state_dict
-        if impl is not nn.Module._load_from_state_dict and impl.__module__ not in _TORCH_LOADERS:
-            found.append(f"{name or 'the model'}: {impl.__qualname__}")
+        kind = type(module)
+        if kind not in plain:
+            impl = kind._load_from_state_dict
+            plain[kind] = (
+                impl is nn.Module._load_from_state_dict or impl.__module__ in _TORCH_LOADERS
+            )
+        if not plain[kind]:
+            found.append(f"{name or 'the model'}: {kind._load_from_state_dict.__qualname__}")
     if found:
         more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
         warn(
@@ -594,10 +588,7 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
             f"{' or '.join(named)}: each tensor's own box decides what it reads, a plain "
             "tensor its whole key, a DTensor (FSDP2, TP) its local shard from its own mesh and "
             "placements. For a rank-local model of plain tensors (fairscale's "
-            "ColumnParallelLinear, RowParallelLinear), load its rank's tensors with "
-            "lazyckpt.get_model_checkpoint_loader().lazy_load(path, shard_dims, "
-            "ModelCheckpointLoadOptions(layout=Layout(tp_size=..., tp_rank=...))) and pass them "
-            "to model.load_state_dict (or copy_ each one)"
+            "ColumnParallelLinear, RowParallelLinear), " + _rank_local_advice("...")
         )
     if options.dtype is not None:
         refused.append("options.dtype")
@@ -653,10 +644,17 @@ def _tp_shard_hint(
     return (
         f"; the model's tensors are the checkpoint's cut on one dim ({{{said}}}), as one rank "
         "of a tensor-parallel model of plain tensors holds them (fairscale's parallel layers): "
-        "load_into fills a plain tensor with its whole key; load such a model's rank with "
-        "lazyckpt.get_model_checkpoint_loader().lazy_load(path, shard_dims, "
-        f"ModelCheckpointLoadOptions(layout=Layout(tp_size={tp}, tp_rank=...))) and pass what "
-        "it yields to model.load_state_dict (or copy_ each tensor)"
+        "load_into fills a plain tensor with its whole key; for such a model, "
+        + _rank_local_advice(tp)
+    )
+
+
+def _rank_local_advice(tp: str) -> str:
+    """How a rank-local model of plain tensors (TP size ``tp``) is loaded instead."""
+    return (
+        "load its rank's tensors with lazyckpt.get_model_checkpoint_loader().lazy_load(path, "
+        f"shard_dims, ModelCheckpointLoadOptions(layout=Layout(tp_size={tp}, tp_rank=...))) "
+        "and pass them to model.load_state_dict (or copy_ each one)"
     )
 
 
