@@ -301,8 +301,10 @@ def _rank_metadata(folder: Path, names: list[str]) -> list[tuple[int, str]]:
 
 def metadata_paths(folder: Path, names: list[str] | None = None) -> list[Path]:
     """The metadata files of the DCP save in ``folder``: its ``.metadata``, else every rank's
-    ``__N.metadata`` in rank order; none if it holds neither."""
-    if (folder / METADATA).is_file():
+    ``__N.metadata`` in rank order; none if it holds neither. ``names``: the folder's listing,
+    where the caller has it (a folder's format is told from one listing: no file is asked
+    after that the listing does not hold)."""
+    if (names is None or METADATA in names) and (folder / METADATA).is_file():
         return [folder / METADATA]
     local = _rank_metadata(folder, os.listdir(folder) if names is None else names)
     return [folder / n for _, n in local]
