@@ -290,14 +290,16 @@ def load_into(
     missing on either side raises :class:`KeyMismatchError` before anything is read; shape
     mismatches always do. Each target's own box, dtype and storage decide what it gets (a
     checkpoint tensor is cast to its target's dtype): ``options.layout`` (but ``Layout()``),
-    ``mesh`` and ``dtype`` are refused with a ``ValueError`` before anything is read, rather
-    than ignored; ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out,
-    nothing is read ahead of its place).
+    ``mesh`` are refused with a ``ValueError`` before anything is read, rather than ignored, and
+    so is a ``dtype`` other than that of every floating-point tensor of the model;
+    ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out, nothing is
+    read ahead of its place).
     """
     options = options_or_default(options)
     _refuse_unused_options(options)
     _reshard_fsdp(model)
     targets, extras = _targets(model)
+    _refuse_other_dtype(options.dtype, targets)
     # The device only serves meta tensors, which are made there: refused only if it would be.
     meta = any(not t.is_dtensor and t.tensor.is_meta for t in targets.values())
     device = options.usable_device() if meta else options.target_device
@@ -573,7 +575,8 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
     its ``Layout`` failed on shapes, naming no fix, and a meta model asked for bfloat16 came
     out in float32 without a word. ``Layout()`` (whole tensors) is what ``load_into`` does for
     a plain tensor, and is taken. ``contiguous`` and ``prefetch_bytes`` are taken: no view is
-    handed out and nothing is read ahead, whatever they say."""
+    handed out and nothing is read ahead, whatever they say. ``dtype`` is checked against the
+    model by :func:`_refuse_other_dtype`."""
     said = []
     refused = []
     named = []  # each as said, with its value where one helps
@@ -590,17 +593,37 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
             "placements. For a rank-local model of plain tensors (fairscale's "
             "ColumnParallelLinear, RowParallelLinear), " + _rank_local_advice("...")
         )
-    if options.dtype is not None:
-        refused.append("options.dtype")
-        said.append(
-            f"options.dtype ({options.dtype}): each checkpoint tensor is cast to the dtype of "
-            "the model's tensor it fills; give the model that dtype first "
-            f"(model.to({options.dtype}), which a meta model takes too)"
-        )
     if said:
         raise ValueError(
             f"load_into takes no {'; nor '.join(said)}; leave {', '.join(refused)} None"
         )
+
+
+def _refuse_other_dtype(dtype: torch.dtype | None, targets: Mapping[str, _Target]) -> None:
+    """Take ``options.dtype`` where every floating-point tensor of the model has it (one
+    options object shared with ``lazy_load``): casting to it first, then to each tensor's
+    dtype, is then the one cast ``load_into`` makes. Else refuse it, naming a tensor of
+    another dtype: ignored, a meta model asked for bfloat16 came out in float32 without a
+    word, and a float32 buffer of a bfloat16 model would get values ``lazy_load`` rounds."""
+    if dtype is None:
+        return
+    other = next(
+        (
+            (key, t.tensor.dtype)
+            for key, t in targets.items()
+            if t.tensor.dtype.is_floating_point and t.tensor.dtype != dtype
+        ),
+        None,
+    )
+    if other is None:
+        return
+    key, has = other
+    raise ValueError(
+        f"load_into takes no options.dtype ({dtype}) other than the model's: each checkpoint "
+        f"tensor is cast to the dtype of the model's tensor it fills, and {key!r} is {has}; "
+        f"give the model that dtype first (model.to({dtype}), which a meta model takes too), "
+        "or leave options.dtype None"
+    )
 
 
 _MAX_TP_SIZE = 64
