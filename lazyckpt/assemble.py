@@ -9,6 +9,7 @@ only does integer work on shapes; ``data`` is carried through untouched.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 from lazyckpt.index import Chunk, ChunkData
 from lazyckpt.plan import PlanError, normalize_dim
 
-__all__ = ["Cell", "assemble_grid", "assemble_alike"]
+__all__ = ["Cell", "assemble_grid", "assemble_alike", "check_split_order"]
 
 
 @dataclass(slots=True, eq=False)
@@ -178,3 +179,34 @@ def _stack_dp(
         chunks.append(Chunk(tuple(offsets), c.shape, c.data))
         offset += c.shape[0]
     return (offset, *base[1:]), chunks
+
+
+def check_split_order(grid: Sequence[Sequence[Cell]], shard_dim: int | None) -> None:
+    """Refuse a model-parallel set's grid whose shards grow from one rank to a later one: along
+    the shard dim from TP rank to TP rank, or along dim 0 from data-parallel shard to shard
+    within a TP rank. A split (``torch.chunk``, ``tensor_split``, Meta's even ones) gives the
+    larger shards to the first ranks, so such a set mixes files of different checkpoints, or
+    a damaged one: joined, the rows of one file would be handed out as another's. Checked for
+    files only (``reshard_tensor``'s ``source_splits`` are the caller's own cuts)."""
+    ndim = len(grid[0][0].shape) if grid and grid[0] else 0
+    if ndim == 0:
+        return  # every cell is a copy
+    if any(len(c.shape) != ndim for row in grid for c in row):
+        return  # refused by assemble_grid, with the shards named
+    for row in grid:
+        sizes = [c.shape[0] for c in row]
+        if any(a < b for a, b in itertools.pairwise(sizes)):
+            raise PlanError(_growing(sizes, "dim 0 from one data-parallel shard to a later one"))
+    if shard_dim is None or not -ndim <= shard_dim < ndim:
+        return  # a replica; a dim out of range is refused where the shards are joined
+    dim = shard_dim % ndim
+    sizes = [sum(c.shape[0] for c in row) if dim == 0 else row[0].shape[dim] for row in grid]
+    if any(a < b for a, b in itertools.pairwise(sizes)):
+        raise PlanError(_growing(sizes, f"dim {dim} from one rank to a later one"))
+
+
+def _growing(sizes: list[int], where: str) -> str:
+    return (
+        f"its shards' sizes are {sizes}, growing along {where}, which no split gives: a file of "
+        "another checkpoint, or a damaged one"
+    )

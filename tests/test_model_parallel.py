@@ -335,6 +335,29 @@ def test_fairseq2_set_missing_a_last_shard_is_refused(tmp_path: Path, gone: str)
     assert info.value.path.name == where
 
 
+@pytest.mark.parametrize("grows", ["tp", "sdp"])
+def test_fairseq2_shards_that_grow_from_one_rank_to_a_later_one_are_refused(
+    tmp_path: Path, grows: str
+) -> None:
+    # As a fairscale set's are: a TP rank of 3 rows before one of 5 (or an SDP shard of 1 row
+    # before one of 3) loaded, and a rank's box took rows of the next file as its own.
+    full = torch.arange(32.0).reshape(8, 4)
+    if grows == "tp":
+        cells, what = [[full[:3]], [full[3:]]], r"\[3, 5\], growing along dim 0 from one rank"
+    else:
+        cells, what = [[full[:1], full[1:4]], [full[4:6], full[6:]]], r"\[1, 3\], growing along dim 0 from one data"
+    for t, row in enumerate(cells):
+        (tmp_path / f"tp_{t:02d}").mkdir()
+        for d, part in enumerate(row):
+            torch.save({"w": part.clone()}, tmp_path / f"tp_{t:02d}" / f"sdp_{d:02d}.pt")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=what):
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {"w": 0})
+    # Uneven the way a split is (torch.chunk: the last shards smaller or empty) loads.
+    shutil.rmtree(tmp_path)
+    write_fairseq2(tmp_path, {"w": full}, {"w": 0}, pp={"w": 0}, tp=3, sdp=2)
+    assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full)
+
+
 def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_largest(
     tmp_path: Path,
 ) -> None:
@@ -395,7 +418,7 @@ def test_shards_that_grow_from_one_rank_to_a_later_one_are_refused(tmp_path: Pat
     parts = [full[:2], full[2:4], torch.cat([full[4:6], full[:1]]), full[6:]]
     for r, part in enumerate(parts):
         torch.save({"w": part.clone()}, tmp_path / f"consolidated.0{r}.pth")
-    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"sizes along dim 0 are \[2, 2, 3, 2\]"):
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"sizes are \[2, 2, 3, 2\], growing along dim 0"):
         load_all(tmp_path, {"w": 0})
     uneven = [full[:3], full[3:6], full[6:]]  # torch.chunk(8, 3): 3, 3, 2 loads
     for r, part in enumerate(uneven):

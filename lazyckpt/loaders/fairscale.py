@@ -9,7 +9,6 @@ directories and pickles of the files are read to build the index.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import final
 
-from lazyckpt.assemble import Cell, assemble_alike, assemble_grid
+from lazyckpt.assemble import Cell, assemble_alike, assemble_grid, check_split_order
 from lazyckpt.errors import CheckpointWarning, CorruptModelCheckpointError, warn
 from lazyckpt.index import (
     CheckpointIndex,
@@ -241,9 +240,8 @@ class FairscaleCheckpointLoader(IndexedCheckpointLoader):
                 region = archive.region(stored, key)
                 grid.append([Cell(stored.sizes, stored.dtype, region, name)])
             try:
-                shapes = [row[0].shape for row in grid]
-                dim = rules.shard_dim(key, shapes)
-                _check_split_order(path, key, dim, shapes)
+                dim = rules.shard_dim(key, [row[0].shape for row in grid])
+                check_split_order(grid, dim)
                 dtype, shape, copies = assemble_grid(grid, dim)
             except PlanError as exc:
                 rules.refuse_misnamed(path, key, first)
@@ -277,25 +275,6 @@ def _differing_replicas(
             replica_differs(entry, ranks[0][0].name, ranks[odd][0].name, CRC_PROOF),
         )
     return found
-
-
-def _check_split_order(
-    path: Path, key: str, dim: int | None, shapes: list[tuple[int, ...]]
-) -> None:
-    """Refuse shards whose sizes along the split dim grow from one rank to a later one: a
-    split (``torch.chunk``, ``tensor_split``, Meta's even ones) gives the larger shards to the
-    first ranks, so such a set mixes files of different checkpoints or a damaged one."""
-    if dim is None or any(not -len(s) <= dim < len(s) for s in shapes):
-        return  # a replica; a dim out of range is refused where the shards are joined
-    sizes = [s[dim] for s in shapes]
-    if any(a < b for a, b in itertools.pairwise(sizes)):
-        raise CorruptModelCheckpointError(
-            path,
-            f"key {key!r}: its shards' sizes along dim {dim} are {sizes}, growing from one rank "
-            "to a later one, which no split gives: a rank file of another checkpoint, or a "
-            "damaged one",
-            key=key,
-        )
 
 
 def _left_out(archives: list[TorchArchive]) -> list[str]:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import final
 
-from lazyckpt.assemble import Cell, assemble_grid
+from lazyckpt.assemble import Cell, assemble_grid, check_split_order
 from lazyckpt.errors import CorruptModelCheckpointError
 from lazyckpt.index import CheckpointIndex, TensorEntry, add_entry, differing_note, replica_differs
 from lazyckpt.loader import IndexedCheckpointLoader, KeyRules
@@ -143,6 +143,7 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
                 ]
                 try:
                     dim = rules.shard_dim(key, [_tp_shape(row) for row in cells])
+                    check_split_order(cells, dim)
                     dtype, shape, copies = assemble_grid(cells, dim)
                 except PlanError as exc:
                     rules.refuse_misnamed(path, key, first)
