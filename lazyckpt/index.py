@@ -246,11 +246,15 @@ def stamped(index_of: Callable[[], CheckpointIndex]) -> CheckpointIndex:
 
 def replica_differs(entry: TensorEntry, a: object, b: object, proof: str = "") -> str:
     """What to say of a key read as a replica whose copies in ``a`` and ``b`` differ
-    (``proof``: how that is known, where not by reading them)."""
+    (``proof``: how that is known, where not by reading them). A 0-d key cannot be split: one
+    of the files is damaged, or of another checkpoint."""
+    said = f"key {entry.display_key} should be a replica but its copies in {a} and {b} differ"
+    said += f" ({proof})" if proof else ""
+    if not entry.shape:
+        return f"{said}; a 0-d key is never split: one of the files is damaged or of another save"
     return (
-        f"key {entry.display_key} should be a replica but its copies in {a} and {b} differ"
-        f"{f' ({proof})' if proof else ''}; if the key is split across model-parallel ranks, "
-        "add it to shard_dims (see lazyckpt.presets), otherwise one of the files is damaged"
+        f"{said}; if the key is split across model-parallel ranks, add it to shard_dims (see "
+        "lazyckpt.presets), otherwise one of the files is damaged"
     )
 
 

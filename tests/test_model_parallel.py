@@ -358,6 +358,22 @@ def test_fairseq2_shards_that_grow_from_one_rank_to_a_later_one_are_refused(
     assert torch.equal(load_all(tmp_path, {"w": 0})["w"], full)
 
 
+def test_fairseq2_0d_replica_differing_between_sdp_files_is_refused(tmp_path: Path) -> None:
+    # Every shard file holds a copy of a 0-d key; only the TP rows were compared, so each
+    # data-parallel rank got its own file's value without a word.
+    for d, value in enumerate([3.0, 99.0]):
+        (tmp_path / "tp_00").mkdir(exist_ok=True)
+        torch.save({"s": torch.tensor(value), "w": torch.ones(2, 2)}, tmp_path / "tp_00" / f"sdp_{d:02d}.pt")
+    loader = lazyckpt.get_model_checkpoint_loader()
+    for dp_rank in (0, 1):
+        layout = lazyckpt.Layout(dp_size=2, dp_rank=dp_rank)
+        with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"'s'.*tp_00/sdp_00\.pt.*tp_00/sdp_01\.pt") as info:
+            loader.lazy_load(tmp_path, {}, lazyckpt.ModelCheckpointLoadOptions(layout=layout))
+        assert "never split" in str(info.value) and "shard_dims" not in str(info.value)
+    torch.save({"s": torch.tensor(3.0), "w": torch.ones(2, 2)}, tmp_path / "tp_00" / "sdp_01.pt")
+    assert load_all(tmp_path, {})["s"] == 3.0
+
+
 def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_largest(
     tmp_path: Path,
 ) -> None:

@@ -178,8 +178,13 @@ def _differing_replica(
     """``(TP row, SDP shard)`` of a replicated key's copy (one in every TP row) whose zip
     CRC-32s prove it differs from the first row's shard cut alike (see :func:`differing_copy`):
     a split key left out of ``shard_dims``, past the size replicas are compared by reading;
-    None where none does."""
+    None where none does. A 0-d key is not cut: every shard file holds a copy, each compared
+    with the first (a data-parallel rank gets its own file's)."""
     first = grid[0]
+    if not first[0][1][key].sizes:
+        cells = [(r, s) for r, row in enumerate(grid) for s in range(len(row))]
+        odd = differing_copy([(grid[r][s][0], grid[r][s][1][key]) for r, s in cells])
+        return None if odd is None else cells[odd]
     for r, row in enumerate(grid[1:], 1):
         if any(a[key].sizes != b[key].sizes for (_, a), (_, b) in zip(first, row)):
             continue  # SDP shards cut otherwise: no shard to compare with its twin
@@ -192,8 +197,10 @@ def _differing_replica(
 def _differing_message(
     path: Path, entry: TensorEntry, grid_files: list[list[Path]], r: int, s: int
 ) -> tuple[Path, str]:
-    """:attr:`CheckpointIndex.differing_copies`' entry for copy ``(r, s)`` of ``entry``."""
-    first, odd = (grid_files[row][s].relative_to(path) for row in (0, r))
+    """:attr:`CheckpointIndex.differing_copies`' entry for copy ``(r, s)`` of ``entry``,
+    against the first row's shard cut alike (a 0-d key's: the first file's)."""
+    first = grid_files[0][s if entry.shape else 0].relative_to(path)
+    odd = grid_files[r][s].relative_to(path)
     return grid_files[r][s], replica_differs(entry, first, odd, CRC_PROOF)
 
 
