@@ -374,6 +374,19 @@ def test_fairseq2_0d_replica_differing_between_sdp_files_is_refused(tmp_path: Pa
     assert load_all(tmp_path, {})["s"] == 3.0
 
 
+def test_fairseq2_stages_beside_top_level_tp_folders_are_refused(tmp_path: Path) -> None:
+    # The stages were loaded and tp_00's keys dropped without a word.
+    full = {"a": torch.ones(2, 2), "b": torch.zeros(2)}
+    write_fairseq2(tmp_path, full, {}, pp={"a": 0, "b": 1}, tp=1, sdp=1)
+    (tmp_path / "tp_00").mkdir()
+    torch.save({"c": torch.ones(3)}, tmp_path / "tp_00" / "sdp_00.pt")
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match=r"both pipeline-stage folders \(pp_00 \.\.\.\) and tp_00") as info:
+        lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path, {})
+    assert info.value.path == tmp_path
+    shutil.rmtree(tmp_path / "tp_00")
+    assert sorted(load_all(tmp_path, {})) == ["a", "b"]
+
+
 def test_fairseq2_rank_numbers_with_a_gap_are_refused_without_counting_to_the_largest(
     tmp_path: Path,
 ) -> None:

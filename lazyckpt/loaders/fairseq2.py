@@ -84,8 +84,20 @@ class Fairseq2CheckpointLoader(IndexedCheckpointLoader):
 
     @staticmethod
     def _stages(path: Path) -> list[Path]:
-        has_pp = any(_PP.fullmatch(n) and (path / n).is_dir() for n in os.listdir(path))
-        return _numbered(path, _PP, True) if has_pp else [path]
+        """The pipeline stages' folders (``pp_XX``), or ``path`` itself where it holds the TP
+        folders. Both at once is refused: the stages would be loaded and the top-level
+        ``tp_XX`` keys dropped without a word."""
+        names = os.listdir(path)
+        pp = sorted(n for n in names if _PP.fullmatch(n) and (path / n).is_dir())
+        tp = sorted(n for n in names if _TP.fullmatch(n) and (path / n).is_dir())
+        if pp and tp:
+            raise CorruptModelCheckpointError(
+                path,
+                f"holds both pipeline-stage folders ({pp[0]}{' ...' if len(pp) > 1 else ''}) "
+                f"and {tp[0]}{' ...' if len(tp) > 1 else ''} beside them; a fairseq2 checkpoint "
+                "keeps its TP folders in its stages, or has no stages: move the stray ones out",
+            )
+        return _numbered(path, _PP, True) if pp else [path]
 
     def build_index(
         self, path: Path, rules: KeyRules, options: ModelCheckpointLoadOptions
