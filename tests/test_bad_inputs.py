@@ -1265,6 +1265,18 @@ def test_mp_misnumbered_files(tmp_path: Path, names: list[str], culprit: tuple[s
     fails(folder, CORRUPT, ("mp_set", culprit), eager=True, shard_dims=MP_DIMS)
 
 
+@pytest.mark.parametrize("n,fmt", [(11, "{}"), (101, "{:02d}")])
+def test_mp_files_numbered_one_way_load_past_their_width(tmp_path: Path, n: int, fmt: str) -> None:
+    # Numbers not padded run to two digits at rank 10, and were refused as "different widths";
+    # so were a {:02d} set's past rank 99 (100 runs longer).
+    full = torch.arange(n * 2.0).reshape(n, 2)
+    for r in range(n):
+        torch.save({"w": full[r : r + 1].clone()}, tmp_path / f"consolidated.{fmt.format(r)}.pth")
+    assert torch.equal(load(tmp_path, {"w": 0})["w"], full)
+    (tmp_path / f"consolidated.{fmt.format(5)}.pth").unlink()
+    fails(tmp_path, CORRUPT, (f"lacks consolidated.{fmt.format(5)}.pth",), eager=True, shard_dims={"w": 0})
+
+
 def test_mp_extra_rank_file_from_another_set(tmp_path: Path) -> None:
     shards = mp_shards(2)
     other = dict(mp_shards(2)[1])

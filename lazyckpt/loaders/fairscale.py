@@ -108,16 +108,18 @@ def rank_files(folder: Path) -> list[Path]:
             "file was lost); download it again",
         )
     n = max(numbered) + 1
+    # One writer numbers its files one way: padded with zeros to one width (Meta's 00, 01, ...),
+    # past which a larger number runs longer (100 after 99), or not at all (0, 1, ..., 10).
+    digits = {r: names[0][len("consolidated.") : -len(".pth")] for r, names in numbered.items()}
+    width = min(len(d) for d in digits.values())
     missing = [r for r in range(n) if r not in numbered]
     if missing:
-        width = len(numbered[max(numbered)][0]) - len("consolidated..pth")
         raise CorruptModelCheckpointError(
             folder,
             f"has files up to rank {n - 1} but lacks consolidated.{missing[0]:0{width}d}.pth"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; the set is incomplete",
         )
-    widths = {len(numbered[r][0]) for r in range(n)}
-    if len(widths) > 1:
+    if any(d != f"{r:0{width}d}" for r, d in digits.items()):
         raise CorruptModelCheckpointError(
             folder,
             f"mixes rank numbers of different widths ({', '.join(numbered[r][0] for r in range(n))}); "
