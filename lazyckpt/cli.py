@@ -108,8 +108,12 @@ def _note(text: str) -> None:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join((str(exc) or type(exc).__name__).split())
-    if "restrict=False" in text:  # the library's way out, as the command line spells it
+    # The library's ways out, as the command line spells them.
+    if "restrict=False" in text:
         text += " (on the command line: --no-restrict)"
+    if "shard_dims" in text:
+        text += " (on the command line: --shard-dims, a preset or a JSON file {key: dim}"
+        text += ", naming keys as --key-map leaves them)" if "key_map" in text else ")"
     return text
 
 
@@ -123,13 +127,23 @@ class PresetShardDims(Mapping[str, int]):
     are known to us, so the rules are applied on demand; iteration lists the keys seen so far.
     """
 
-    def __init__(self, preset: ShardDimPreset) -> None:
+    def __init__(self, preset: ShardDimPreset, key_map: KeyMapFile | None = None) -> None:
         self.preset = preset
+        self.key_map = key_map
+        """``--key-map``: keys are asked about under their new names. The preset's rule for
+        the new name holds (a map to Meta's names, so that a preset splits them), else its
+        rule for the checkpoint's name (``output.weight`` renamed ``lm_head.weight`` is still
+        split as ``output.weight`` is)."""
         self._seen: dict[str, int | None] = {}
 
     def _lookup(self, key: str) -> int | None:
         if key not in self._seen:
-            self._seen[key] = self.preset.shard_dims([key]).get(key)
+            dim = self.preset.shard_dims([key]).get(key)
+            if dim is None and self.key_map is not None:
+                source = self.key_map.source_of(key)
+                if source != key:
+                    dim = self.preset.shard_dims([source]).get(source)
+            self._seen[key] = dim
         return self._seen[key]
 
     def __getitem__(self, key: str) -> int:
@@ -157,10 +171,11 @@ class ShardDimsChoice:
         return {k: self.dims[k] for k in keys if k in self.dims}
 
 
-def load_shard_dims(spec: str) -> ShardDimsChoice:
-    """``--shard-dims``: a preset name or a JSON file ``{key: dim}``."""
+def load_shard_dims(spec: str, key_map: KeyMapFile | None = None) -> ShardDimsChoice:
+    """``--shard-dims``: a preset name (its rules applied to keys as the checkpoint names them,
+    before ``key_map``) or a JSON file ``{key: dim}`` (keys as ``key_map`` leaves them)."""
     if spec in PRESETS:
-        return ShardDimsChoice(PresetShardDims(PRESETS[spec]), f"preset {spec}")
+        return ShardDimsChoice(PresetShardDims(PRESETS[spec], key_map), f"preset {spec}")
     path = Path(spec)
     if not path.exists() or path.is_dir():  # a pipe (<(...)) is not a regular file, but reads
         raise UsageError(
@@ -188,6 +203,7 @@ class KeyMapFile:
         self.spec = spec
         self.mapping = mapping
         self.seen: set[str] = set()
+        self._sources: dict[str, str] | None = None
 
     def __call__(self, key: str) -> str | None:
         if key in self.mapping:
@@ -197,6 +213,16 @@ class KeyMapFile:
 
     def unused(self) -> list[str]:
         return [k for k in self.mapping if k not in self.seen]
+
+    def source_of(self, name: str) -> str:
+        """The checkpoint key that ``name``, a name after the map, comes from."""
+        if self._sources is None:
+            self._sources = {new: old for old, new in self.mapping.items() if new is not None}
+        return self._sources.get(name, name)
+
+    def renamed(self, key: str) -> str | None:
+        """What a checkpoint key is called after the map (without counting it as used)."""
+        return self.mapping.get(key, key)
 
 
 def load_key_map(spec: str) -> KeyMapFile:
@@ -249,9 +275,14 @@ def detect_preset(
     """
     if loader.name != "fairscale":
         return None
+    key_map = _key_map_file(base)
+    # Under their Meta names (the checkpoint's, or a --key-map's to them), else as --key-map
+    # renames them.
+    names = ("tok_embeddings.weight", "output.weight")
+    renamed = names if key_map is None else tuple(key_map.renamed(k) for k in names)
     found = []
     for name, preset in PRESETS.items():
-        dims = PresetShardDims(preset)
+        dims = PresetShardDims(preset, key_map)
         try:
             # Bad keys are dropped, so one damaged tensor does not hide the layout.
             index, _ = index_collecting(loader, path, dims, Problems(), base)
@@ -259,7 +290,10 @@ def detect_preset(
             continue
         if index is None:
             continue
-        emb, out = index.entries.get("tok_embeddings.weight"), index.entries.get("output.weight")
+        emb, out = (
+            index.entries.get(k) or (index.entries.get(r) if r is not None else None)
+            for k, r in zip(names, renamed)
+        )
         if emb is not None and out is not None and emb.shape == out.shape and len(index.files) > 1:
             found.append(name)
     return found[0] if len(found) == 1 else None
@@ -274,7 +308,7 @@ def resolve_shard_dims(
     """``--shard-dims`` if given; for a fairscale MP-N folder without it, a preset detected
     from the shapes; else none (every key replicated)."""
     if spec is not None:
-        choice = load_shard_dims(spec)
+        choice = load_shard_dims(spec, _key_map_file(base))
         if spec in PRESETS:
             name = detect_preset(loader, path, base)
             if name is not None and name != spec:
@@ -287,8 +321,15 @@ def resolve_shard_dims(
     name = detect_preset(loader, path, base)
     if name is not None:
         _note(f"shard dims: detected preset {name} from the shapes; pass --shard-dims to override")
-        return ShardDimsChoice(PresetShardDims(PRESETS[name]), f"detected {name}")
+        return ShardDimsChoice(
+            PresetShardDims(PRESETS[name], _key_map_file(base)), f"detected {name}"
+        )
     return ShardDimsChoice({}, "none")
+
+
+def _key_map_file(options: ModelCheckpointLoadOptions | None) -> KeyMapFile | None:
+    key_map = None if options is None else options.key_map
+    return key_map if isinstance(key_map, KeyMapFile) else None
 
 
 def _warn_no_dims(choice: ShardDimsChoice, index: CheckpointIndex, tp: int = 1) -> None:

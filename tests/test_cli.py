@@ -228,6 +228,31 @@ def test_key_map_renames_and_drops_for_every_command(
     assert rc == 2 and "is not a file" in err
 
 
+def test_a_key_map_out_of_meta_names_keeps_the_preset(
+    capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
+) -> None:
+    # Renaming output.weight hid it from preset detection and from the preset's rules: the
+    # healthy set was called damaged, and --shard-dims llama3-fairscale refused the rename.
+    src, full, dims = mp4
+    spec = tmp_path / "map.json"
+    spec.write_text(json.dumps({"output.weight": "lm_head.weight"}))
+    rc, _, err = run(capsys, "plan", src, "--tp", "2", "--key-map", spec)
+    assert rc == 0 and "detected preset llama3-fairscale" in err, err
+    dst = tmp_path / "tp2"
+    rc, _, err = run(
+        capsys, "reshard", src, dst, "--tp", "2", "--shard-dims", "llama3-fairscale", "--key-map", spec
+    )
+    assert rc == 0, err
+    got = torch.load(dst / "consolidated.01.pth", weights_only=True)
+    layout = lazyckpt.Layout(tp_size=2, tp_rank=1)
+    assert "output.weight" not in got
+    assert same_bits(got["lm_head.weight"], expected(full["output.weight"], dims["output.weight"], layout))
+    # A file of dims under the old name: the command line's way out is named.
+    (tmp_path / "dims.json").write_text(json.dumps(dims))
+    rc, _, err = run(capsys, "plan", src, "--tp", "2", "--key-map", spec, "--shard-dims", tmp_path / "dims.json")
+    assert rc == 2 and "'lm_head.weight'" in err and "--shard-dims" in err and "as --key-map leaves them" in err, err
+
+
 def test_verify_goes_on_past_a_bad_key_under_a_key_map(
     capsys: pytest.CaptureFixture[str], mp4, tmp_path: Path
 ) -> None:
