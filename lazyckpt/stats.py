@@ -144,20 +144,26 @@ class LoadStats:
             self._finished = kept
 
     @contextmanager
-    def timing(self) -> Iterator[list[float]]:
-        """:meth:`begin` and, however the load ends, :meth:`end`."""
+    def timing(self, *, whole: bool = False) -> Iterator[list[float]]:
+        """:meth:`begin` and, however the load ends, :meth:`end`: the span runs to the last
+        tensor delivered, or, ``whole``, to the end of the block (work that delivers none:
+        indexing and planning)."""
         span = self.begin()
         try:
             yield span
         finally:
+            if whole:
+                span[1] = time.perf_counter()
             self.end(span)
 
     @property
     def seconds(self) -> float:
-        """Wall time from a load's start to its last tensor, summed over the loads given this
-        object: loads that run at once (threads) count the time they share once, and neither
-        the time between two loads nor the time a stream is left suspended after its last
-        tensor counts."""
+        """Wall time of the loads given this object: each one's metadata work (indexing and
+        planning, done when ``lazy_load`` or ``load_into`` is called) and its time from its
+        first tensor asked for to its last. Loads that run at once (threads) count the time
+        they share once; neither the time between two loads, nor between ``lazy_load``'s
+        return and the stream's first tensor asked for, nor a stream left suspended after its
+        last tensor counts."""
         with self._lock:
             return self._seconds_locked()
 
