@@ -961,7 +961,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         loader = detect_loader(path)
     except (ModelCheckpointError, OSError) as exc:
         problems.add(exc)
-        return _verify_report(args, path, None, problems, 0, 0, 0, [])
+        return _verify_report(args, path, None, problems, 0, 0, 0, 0, [])
     choice = resolve_shard_dims(args.shard_dims, loader, path, base)
     dims = choice.dims
     index, dropped = index_collecting(loader, path, dims, problems, base)
@@ -990,9 +990,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             read_collecting(tloader, tpath, dims, bad, problems, stats, progress, base)
             crc_bytes += check_zip_crcs(tindex, problems, progress)
     # Replica copies read to be compared are in total_bytes_read already.
-    read = stats.total_bytes_read + crc_bytes
     notes = [note for _, _, tindex, _ in targets for note in tindex.notes]
-    return _verify_report(args, path, loader.name, problems, keys, files, read, notes)
+    return _verify_report(
+        args, path, loader.name, problems, keys, files, stats.total_bytes_read, crc_bytes, notes
+    )
 
 
 def _verify_report(
@@ -1002,11 +1003,14 @@ def _verify_report(
     problems: Problems,
     keys: int,
     files: int,
-    bytes_read: int,
+    loaded: int,
+    crc_read: int,
     notes: Sequence[str],
 ) -> int:
     """The verdict, with the index's notes: what it leaves out (files an index does not list,
-    keys it does not place, training state) is not checked, and not a problem."""
+    keys it does not place, training state) is not checked, and not a problem. ``loaded``:
+    the bytes the load pass read; ``crc_read``: those the CRC-32 pass read again (torch zips,
+    DCP chunks), said apart so that neither reads as the checkpoint's size."""
     ok = not problems
     if args.json:
         doc = {
@@ -1017,7 +1021,9 @@ def _verify_report(
             "keys": keys,
             "files": files,
             "read": bool(args.read),
-            "bytes_read": bytes_read,
+            "bytes_read": loaded + crc_read,
+            "bytes_loaded": loaded,
+            "bytes_crc_checked": crc_read,
             "notes": list(notes),
         }
         print(json.dumps(doc, indent=2))
@@ -1028,11 +1034,15 @@ def _verify_report(
         for p in problems.items:
             print(f"FAIL {p}")
         if ok:
-            how = (
-                f"read every byte: {human(bytes_read)}"
-                if args.read
-                else "metadata only; pass --read to read every byte"
-            )
+            if not args.read:
+                how = "metadata only; pass --read to read every byte"
+            elif crc_read:
+                how = (
+                    f"read every byte: {human(loaded)} loaded, and {human(crc_read)} read again "
+                    "for the CRC-32s"
+                )
+            else:
+                how = f"read every byte: {human(loaded)}"
             print(f"OK: {path}: {what}, no problem found ({how})")
         else:
             print(f"{len(problems.items)} problem(s) found in {path} ({what})")

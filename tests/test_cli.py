@@ -485,6 +485,15 @@ def test_verify_a_good_checkpoint(capsys: pytest.CaptureFixture[str], mp4, tmp_p
     path = write_checkpoint("hub-safetensors", sample_state_dict(), tmp_path / "hf")
     doc = run_json(capsys, "verify", path, "--read")
     assert doc["ok"] and doc["problems"] == [] and doc["keys"] == len(sample_state_dict())
+    # Each pass's bytes said apart: "read every byte: X" read as twice a torch file's size.
+    size = sum(os.path.getsize(f) for f in folder.glob("consolidated.*.pth"))
+    doc = run_json(capsys, "verify", folder, "--read")
+    assert doc["bytes_loaded"] < size and 0 < doc["bytes_crc_checked"] < size
+    assert doc["bytes_read"] == doc["bytes_loaded"] + doc["bytes_crc_checked"]
+    rc, out, _ = run(capsys, "verify", folder, "--read")
+    assert "loaded, and " in out and "read again for the CRC-32s" in out, out
+    doc = run_json(capsys, "verify", path, "--read")
+    assert doc["bytes_crc_checked"] == 0 and doc["bytes_read"] == doc["bytes_loaded"] > 0
 
 
 def test_verify_names_every_inconsistent_key(capsys: pytest.CaptureFixture[str], mp4) -> None:
