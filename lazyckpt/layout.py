@@ -11,13 +11,25 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DP_DIM_NAMES", "TP_DIM_NAMES", "Layout", "named_mesh_dims"]
+__all__ = [
+    "DP_DIM_NAMES",
+    "REPLICA_DIM_NAMES",
+    "TP_DIM_NAMES",
+    "Layout",
+    "named_mesh_dims",
+    "unnamed_cut",
+]
 
 DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel", "shard")
 """Mesh dim names taken for FSDP's dim, in this order of preference (``shard`` beside
 ``replicate``: torch's own HSDP mesh, whose ``replicate`` dim holds copies)."""
 TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
 """Mesh dim names taken for the TP dim."""
+REPLICA_DIM_NAMES = ("replicate", "dp_replicate", "ddp", "cp", "context_parallel")
+"""Mesh dim names whose ranks hold the same parameters (HSDP's and torchtitan's replicate
+dims, context parallelism): each gets what the others get. Another dim of size > 1 that no
+name above accounts for is refused where the mesh's dims are found by name: taken for one of
+these, its ranks would each hold the whole of what a cut gives them together."""
 
 
 def named_mesh_dims(names: Sequence[str]) -> tuple[int | None, int | None]:
@@ -75,7 +87,8 @@ class Layout:
         ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``), each on its own: ``tp_dim="tp"``
         on a ``("dp", "tp")`` mesh still shards on ``dp`` (pass ``mesh["tp"]`` for TP alone). A
         1-D unnamed mesh needs one of them spelled out, since nothing says whether it is TP or
-        FSDP.
+        FSDP; so does a mesh with a dim of size > 1 that no name makes TP's, FSDP's or one whose
+        ranks hold copies (:data:`REPLICA_DIM_NAMES`).
         """
         names = tuple(mesh.mesh_dim_names or ())
         tp_named, dp_named = named_mesh_dims(names)
@@ -98,6 +111,12 @@ class Layout:
                 f"Layout.from_mesh: {tp_arg} and {dp_arg} are one mesh dim, "
                 f"{names[tp_at] if names else tp_at!r}; give TP and DP dims of their own"
             )
+        odd = unnamed_cut(mesh) if tp_dim is None and dp_dim is None else None
+        if odd is not None:
+            raise ValueError(
+                f"Layout.from_mesh: {odd}, or pass tp_dim=/dp_dim= (the dims not passed are "
+                "then left uncut)"
+            )
         return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
 
     @classmethod
@@ -115,6 +134,24 @@ class Layout:
         tp_size, tp_rank = size_rank(tp_group)
         dp_size, dp_rank = size_rank(dp_group)
         return cls(tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank)
+
+
+def unnamed_cut(mesh: DeviceMesh) -> str | None:
+    """What to say of a mesh dim of size > 1 that its name makes neither TP's, FSDP's, nor one
+    whose ranks hold copies (``("dp", "model")``), or None: taken for a replica dim, each rank
+    along it got, and held, the whole of what a cut would give them together, without a
+    word."""
+    names = tuple(mesh.mesh_dim_names or ())
+    found = named_mesh_dims(names)
+    for i, name in enumerate(names):
+        if i in found or name in REPLICA_DIM_NAMES or mesh.size(i) == 1:
+            continue
+        return (
+            f"its dim {name!r} (size {mesh.size(i)}) is not named as TP "
+            f"({', '.join(TP_DIM_NAMES)}), FSDP ({', '.join(DP_DIM_NAMES)}), or a dim whose "
+            f"ranks hold copies ({', '.join(REPLICA_DIM_NAMES)}); name it so when making the mesh"
+        )
+    return None
 
 
 def _mesh_dim(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lazyckpt.imported import is_device_mesh
-from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES, Layout, named_mesh_dims
+from lazyckpt.layout import DP_DIM_NAMES, TP_DIM_NAMES, Layout, named_mesh_dims, unnamed_cut
 from lazyckpt.stats import LoadStats
 
 if TYPE_CHECKING:
@@ -184,6 +184,9 @@ class ModelCheckpointLoadOptions:
                     f"mesh_dim_names=('dp', 'tp'))); TP names: {', '.join(TP_DIM_NAMES)}; "
                     f"FSDP names: {', '.join(DP_DIM_NAMES)}"
                 )
+            odd = unnamed_cut(self.mesh)
+            if odd is not None:
+                raise ValueError(f"options.mesh: {odd}")
             layout = Layout.from_mesh(self.mesh)
             if self.layout is not None and self.layout != layout:
                 raise ValueError(

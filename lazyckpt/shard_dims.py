@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from lazyckpt.imported import fsdp_module_class, is_dtensor
-from lazyckpt.layout import named_mesh_dims
+from lazyckpt.layout import TP_DIM_NAMES, named_mesh_dims
 from lazyckpt.state_names import model_keys
 
 __all__ = ["get_shard_dims"]
@@ -65,6 +65,13 @@ def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
     names = tuple(mesh.mesh_dim_names or ())
     tp_index, dp_index = named_mesh_dims(names)
     if tp_index is None:
+        cut = [i for i, p in enumerate(param.placements) if type(p) is Shard and i != dp_index]
+        if dp_index is not None and cut and names:
+            raise ValueError(
+                f"parameter {name!r} is {param.placements[cut[0]]!r} on mesh dim "
+                f"{names[cut[0]]!r}, which is not named as TP, beside FSDP's {names[dp_index]!r}; "
+                f"name it so when making the mesh ({', '.join(TP_DIM_NAMES)})"
+            )
         if dp_index is not None or (mesh.ndim == 1 and fsdp):
             return None  # a data-parallel mesh only
         if mesh.ndim != 1:

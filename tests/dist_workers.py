@@ -470,6 +470,36 @@ def check_layout_helpers(rank: int, world: int) -> None:
         assert "mesh_dim_names=" in str(exc) and "pass tp_dim" not in str(exc), exc
     else:
         raise AssertionError("options.mesh with unnamed dims must be refused")
+    # A dim of size > 1 that no name accounts for beside one that is named was taken for a
+    # replica dim: each rank along it held the whole of what a cut gives them together.
+    odd = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "model"))
+    for call in (
+        lambda: lazyckpt.Layout.from_mesh(odd),
+        lambda: lazyckpt.ModelCheckpointLoadOptions(mesh=odd).target_layout(),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            assert "dim 'model' (size 2) is not named as TP" in str(exc), exc
+        else:
+            raise AssertionError("a mesh dim of size 2 named 'model' must be refused")
+    assert lazyckpt.Layout.from_mesh(odd, tp_dim="model") == want  # spelled out: taken
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # copies
+    assert lazyckpt.ModelCheckpointLoadOptions(mesh=hsdp).target_layout() == lazyckpt.Layout(
+        dp_size=2, dp_rank=rank % 2
+    )
+    # get_shard_dims read {} off a TP model on such a mesh (FSDP2 over TP on ("dp", "model")).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = parallelize_module(nn.Sequential(nn.Linear(4, 4)), odd["model"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=odd["dp"])
+    try:
+        lazyckpt.get_shard_dims(model)
+    except ValueError as exc:
+        assert "is Shard(dim=0) on mesh dim 'model', which is not named as TP" in str(exc), exc
+    else:
+        raise AssertionError("get_shard_dims must refuse a TP dim it cannot tell by name")
 
 
 def check_load_into_empty_tp_shard(rank: int, world: int, src: str) -> None:
