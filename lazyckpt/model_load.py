@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lazyckpt import alloc
-from lazyckpt.build import PinnedPool, fill_all, same_bits
+from lazyckpt.build import PinnedPool, fill_all, output_dtype, same_bits
 from lazyckpt.claims import Footprint, footprint, overlap
 from lazyckpt.errors import ModelCheckpointError, warn
 from lazyckpt.gcpause import gc_paused
@@ -297,9 +297,9 @@ def load_into(
     """
     options = options_or_default(options)
     stats = options.stats if options.stats is not None else LoadStats()
-    # The load's time runs from here: indexing and planning a many-key checkpoint is a good
-    # part of it (38% of a 3,000-key MP-8 load), and its GB/s would leave it out.
-    with stats.timing() as clock:
+    # The load's time is the whole call: indexing and planning a many-key checkpoint is a good
+    # part of it (38% of a 3,000-key MP-8 load), which its GB/s left out.
+    with stats.timing(whole=True) as clock:
         return _load_into(model, path, shard_dims, options, strict, stats, clock)
 
 
@@ -315,7 +315,6 @@ def _load_into(
     _refuse_unused_options(options)
     _reshard_fsdp(model)
     targets, extras = _targets(model)
-    _refuse_other_dtype(options.dtype, targets)
     # The device only serves meta tensors, which are made there: refused only if it would be.
     meta = any(not t.is_dtensor and t.tensor.is_meta for t in targets.values())
     device = options.usable_device() if meta else options.target_device
@@ -357,6 +356,7 @@ def _load_into(
         entry = index.entries.get(key)
         if entry is not None:
             targets[key] = _Target(torch.empty(entry.shape, dtype=entry.dtype, device="meta"), [])
+    _refuse_other_dtype(options.dtype, index.entries, targets)
     reshaped = [
         key for key, entry in index.entries.items() if entry.shape != targets[key].global_shape
     ]
@@ -613,31 +613,28 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
         )
 
 
-def _refuse_other_dtype(dtype: torch.dtype | None, targets: Mapping[str, _Target]) -> None:
-    """Take ``options.dtype`` where every floating-point tensor of the model has it (one
-    options object shared with ``lazy_load``): casting to it first, then to each tensor's
-    dtype, is then the one cast ``load_into`` makes. Else refuse it, naming a tensor of
-    another dtype: ignored, a meta model asked for bfloat16 came out in float32 without a
-    word, and a float32 buffer of a bfloat16 model would get values ``lazy_load`` rounds."""
+def _refuse_other_dtype(
+    dtype: torch.dtype | None, entries: Mapping[str, TensorEntry], targets: Mapping[str, _Target]
+) -> None:
+    """Take ``options.dtype`` where each checkpoint tensor it casts fills a model tensor of that
+    dtype (one options object shared with ``lazy_load``): the one cast ``load_into`` makes is
+    then the cast ``lazy_load`` would make. Else refuse it, naming a key: ignored, a meta
+    model asked for bfloat16 came out in float32 without a word, and a float32 buffer of a
+    bfloat16 model (or an integer one filled from floats) would get values other than the
+    ones ``lazy_load`` rounds to ``dtype``."""
     if dtype is None:
         return
-    other = next(
-        (
-            (key, t.tensor.dtype)
-            for key, t in targets.items()
-            if t.tensor.dtype.is_floating_point and t.tensor.dtype != dtype
-        ),
-        None,
-    )
-    if other is None:
-        return
-    key, has = other
-    raise ValueError(
-        f"load_into takes no options.dtype ({dtype}) other than the model's: each checkpoint "
-        f"tensor is cast to the dtype of the model's tensor it fills, and {key!r} is {has}; "
-        f"give the model that dtype first (model.to({dtype}), which a meta model takes too), "
-        "or leave options.dtype None"
-    )
+    for key, entry in entries.items():
+        cast = output_dtype(entry.dtype, dtype)
+        has = targets[key].tensor.dtype
+        if cast != entry.dtype and has != cast:
+            raise ValueError(
+                f"load_into takes no options.dtype ({dtype}) other than the model's: each "
+                f"checkpoint tensor is cast to the dtype of the model's tensor it fills, and "
+                f"{key!r} ({entry.dtype} in the checkpoint) fills a {has} one; give the model "
+                f"that dtype first (model.to({dtype}), which a meta model takes too), or leave "
+                "options.dtype None"
+            )
 
 
 _MAX_TP_SIZE = 64

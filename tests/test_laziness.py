@@ -389,6 +389,14 @@ def test_a_loads_time_counts_its_metadata_work_not_the_wait_for_its_first_tensor
         model, tmp_path / "m.safetensors", options=lazyckpt.ModelCheckpointLoadOptions(stats=stats, key_map=key_map)
     )
     assert 0.3 <= stats.seconds <= time.perf_counter() - began
+    # A load_into that fills nothing (no key in common) still took its time.
+    slow.clear()
+    stats = lazyckpt.LoadStats()
+    other = torch.nn.Module()
+    other.v = torch.nn.Parameter(torch.empty(2))
+    options = lazyckpt.ModelCheckpointLoadOptions(stats=stats, key_map=key_map)
+    lazyckpt.load_into(other, tmp_path / "m.safetensors", options=options, strict=False)
+    assert stats.tensors == 0 and stats.seconds >= 0.3
 
 
 def test_a_stats_object_given_to_loads_that_overlap_counts_their_common_time_once(

@@ -387,9 +387,18 @@ def test_options_dtype_the_model_already_has_is_taken(tmp_path: Path) -> None:
     mixed.register_buffer("scale", torch.ones(8))  # float32
     torch.save({**full.state_dict(), "scale": torch.full((8,), 1 / 3)}, tmp_path / "mixed.pt")
     before = mixed.weight.clone()
-    with pytest.raises(ValueError, match=r"options\.dtype \(torch\.bfloat16\).*'scale' is torch\.float32"):
+    with pytest.raises(ValueError, match=r"options\.dtype \(torch\.bfloat16\).*'scale' \(torch\.float32 in the checkpoint\) fills a torch\.float32 one"):
         lazyckpt.load_into(mixed, tmp_path / "mixed.pt", options=bf16)
     assert torch.equal(mixed.weight, before)
+    # A float the checkpoint holds for an integer buffer: lazy_load rounds 257.0 to bfloat16's
+    # 256 first, load_into would not.
+    counted = nn.Linear(8, 8).to(torch.bfloat16)
+    counted.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+    torch.save({**full.state_dict(), "steps": torch.tensor(257.0)}, tmp_path / "steps.pt")
+    with pytest.raises(ValueError, match=r"'steps' \(torch\.float32 in the checkpoint\) fills a torch\.int64 one"):
+        lazyckpt.load_into(counted, tmp_path / "steps.pt", options=bf16)
+    lazyckpt.load_into(counted, tmp_path / "steps.pt")
+    assert counted.steps.item() == 257
 
 
 _MESH_CHILD = """
