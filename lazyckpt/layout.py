@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DP_DIM_NAMES",
-    "REPLICA_DIM_NAMES",
     "TP_DIM_NAMES",
+    "UNCUT_DIM_NAMES",
     "Layout",
     "named_mesh_dims",
     "unnamed_cut",
@@ -25,11 +25,20 @@ DP_DIM_NAMES = ("dp", "dp_shard", "fsdp", "data_parallel", "shard")
 ``replicate``: torch's own HSDP mesh, whose ``replicate`` dim holds copies)."""
 TP_DIM_NAMES = ("tp", "tensor_parallel", "model_parallel", "mp")
 """Mesh dim names taken for the TP dim."""
-REPLICA_DIM_NAMES = ("replicate", "dp_replicate", "ddp", "cp", "context_parallel")
-"""Mesh dim names whose ranks hold the same parameters (HSDP's and torchtitan's replicate
-dims, context parallelism): each gets what the others get. Another dim of size > 1 that no
-name above accounts for is refused where the mesh's dims are found by name: taken for one of
-these, its ranks would each hold the whole of what a cut gives them together."""
+UNCUT_DIM_NAMES = (
+    "replicate",
+    "dp_replicate",
+    "ddp",
+    "cp",
+    "context_parallel",
+    "pp",
+    "pipeline_parallel",
+)
+"""Mesh dim names along which no key is cut: replica dims, whose ranks hold the same
+parameters (HSDP's and torchtitan's replicate dims, context parallelism), and pipeline dims,
+whose ranks hold other keys, each whole along it. Another dim of size > 1 that no name above
+accounts for is refused where the mesh's dims are found by name: taken for one of these, a
+misnamed TP dim's ranks would each hold the whole of what a cut gives them together."""
 
 
 def named_mesh_dims(names: Sequence[str]) -> tuple[int | None, int | None]:
@@ -87,8 +96,8 @@ class Layout:
         ``dp_shard``, ``fsdp``, ``data_parallel``, ``shard``), each on its own: ``tp_dim="tp"``
         on a ``("dp", "tp")`` mesh still shards on ``dp`` (pass ``mesh["tp"]`` for TP alone). A
         1-D unnamed mesh needs one of them spelled out, since nothing says whether it is TP or
-        FSDP; so does a mesh with a dim of size > 1 that no name makes TP's, FSDP's or one whose
-        ranks hold copies (:data:`REPLICA_DIM_NAMES`).
+        FSDP; so does a mesh with a dim of size > 1 that no name makes TP's, FSDP's or one along
+        which nothing is cut (:data:`UNCUT_DIM_NAMES`).
         """
         names = tuple(mesh.mesh_dim_names or ())
         tp_named, dp_named = named_mesh_dims(names)
@@ -138,18 +147,20 @@ class Layout:
 
 def unnamed_cut(mesh: DeviceMesh) -> str | None:
     """What to say of a mesh dim of size > 1 that its name makes neither TP's, FSDP's, nor one
-    whose ranks hold copies (``("dp", "model")``), or None: taken for a replica dim, each rank
+    along which nothing is cut (``("dp", "model")``), or None: taken for a replica dim, each rank
     along it got, and held, the whole of what a cut would give them together, without a
     word."""
     names = tuple(mesh.mesh_dim_names or ())
     found = named_mesh_dims(names)
     for i, name in enumerate(names):
-        if i in found or name in REPLICA_DIM_NAMES or mesh.size(i) == 1:
+        if i in found or name in UNCUT_DIM_NAMES or mesh.size(i) == 1:
             continue
+        kept = tuple(n for j, n in enumerate(names) if j in found)
         return (
             f"its dim {name!r} (size {mesh.size(i)}) is not named as TP "
-            f"({', '.join(TP_DIM_NAMES)}), FSDP ({', '.join(DP_DIM_NAMES)}), or a dim whose "
-            f"ranks hold copies ({', '.join(REPLICA_DIM_NAMES)}); name it so when making the mesh"
+            f"({', '.join(TP_DIM_NAMES)}), FSDP ({', '.join(DP_DIM_NAMES)}), or a dim along "
+            f"which no key is cut ({', '.join(UNCUT_DIM_NAMES)}); name it so when making the "
+            f"mesh, or give the sub-mesh of the dims that cut (mesh[{kept!r}])"
         )
     return None
 

@@ -65,7 +65,11 @@ def _dtensor_tp_dim(name: str, param: object, fsdp: bool) -> int | None:
     names = tuple(mesh.mesh_dim_names or ())
     tp_index, dp_index = named_mesh_dims(names)
     if tp_index is None:
-        cut = [i for i, p in enumerate(param.placements) if type(p) is Shard and i != dp_index]
+        cut = [
+            i
+            for i, p in enumerate(param.placements)
+            if type(p) is Shard and i != dp_index and mesh.size(i) > 1
+        ]
         if dp_index is not None and cut and names:
             raise ValueError(
                 f"parameter {name!r} is {param.placements[cut[0]]!r} on mesh dim "

@@ -488,6 +488,22 @@ def check_layout_helpers(rank: int, world: int) -> None:
     assert lazyckpt.ModelCheckpointLoadOptions(mesh=hsdp).target_layout() == lazyckpt.Layout(
         dp_size=2, dp_rank=rank % 2
     )
+    staged = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))  # stages hold other keys
+    assert lazyckpt.Layout.from_mesh(staged) == lazyckpt.Layout(tp_size=2, tp_rank=rank % 2)
+    experts = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    try:
+        lazyckpt.ModelCheckpointLoadOptions(mesh=experts).target_layout()
+    except ValueError as exc:
+        assert "dim 'ep' (size 2)" in str(exc) and "mesh[('tp',)]" in str(exc), exc
+    else:
+        raise AssertionError("an ep dim must be refused")
+    # A Shard on a size-1 dim cuts nothing: not refused.
+    thin = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "model"))
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    lone = nn.Module()
+    lone.weight = nn.Parameter(distribute_tensor(torch.ones(8, 2), thin, [Replicate(), Shard(0)]))
+    assert lazyckpt.get_shard_dims(lone) == {}
     # get_shard_dims read {} off a TP model on such a mesh (FSDP2 over TP on ("dp", "model")).
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
