@@ -183,6 +183,15 @@ def _too_large(shape: tuple[int, ...]) -> str | None:
         return "has 2**63 elements or more"
     if numel == 0 and contiguous_strides(shape)[0] > MAX_INT64:
         return "has a row-major stride past 2**63 (even empty, torch cannot make it)"
+    if numel == 0:  # torch multiplies the sizes from the left, 64-bit, a 0 coming too late
+        running = 1
+        for n in shape:
+            running *= n
+            if running >> 64:
+                return (
+                    "has sizes whose product from the left passes 2**64 before a 0 (even "
+                    "empty, torch cannot make it)"
+                )
     return None
 
 

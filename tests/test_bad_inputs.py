@@ -309,6 +309,14 @@ def _duplicate(h: dict[str, Any], d: bytes) -> bytes:
     return st_join(('{"st_key_alpha": ' + entry + ", " + text[1:]).encode(), d)
 
 
+def _duplicate_field(h: dict[str, Any], d: bytes) -> bytes:
+    # Inside an entry: the message named the field ("key 'dtype'"), not the key.
+    entry = json.dumps(h["st_key_alpha"])
+    h["st_key_alpha"] = "ENTRY"
+    text = json.dumps(h).replace('"ENTRY"', '{"dtype": "F16", ' + entry[1:])
+    return st_join(text.encode(), d)
+
+
 def _zero_size_huge_dim(h: dict[str, Any], d: bytes) -> bytes:
     # numel 0, so the byte span (0) matches, but 2**64 fits no 64-bit integer.
     h["st_key_delta"] = {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [len(d), len(d)]}
@@ -324,6 +332,15 @@ def _zero_size_strides_past_int64(h: dict[str, Any], d: bytes) -> bytes:
     # Every dim fits int64 and numel is 0, but the row-major stride of dim 0 (2 * 2**62) does
     # not: torch cannot make the tensor ("Stride calculation overflowed"), so neither can a load.
     shape = [0, 2, 2**62]
+    h["st_key_delta"] = {"dtype": "F32", "shape": shape, "data_offsets": [len(d), len(d)]}
+    return st_join(h, d)
+
+
+def _zero_size_sizes_past_int64_from_the_left(h: dict[str, Any], d: bytes) -> bytes:
+    # Every stride fits, but torch multiplies the sizes from the left, 64-bit, and 2**62 * 2**62
+    # overflows before the 0: "Storage size calculation overflowed", where (2**62, 0, 2**62) is
+    # made.
+    shape = [2**62, 2**62, 0]
     h["st_key_delta"] = {"dtype": "F32", "shape": shape, "data_offsets": [len(d), len(d)]}
     return st_join(h, d)
 
@@ -347,6 +364,7 @@ SAFETENSORS_CASES: list[tuple[str, Callable[[dict[str, Any], bytes], bytes], tup
     ("header-empty-text", lambda h, d: st_join(b"", d), ()),
     ("entry-not-an-object", lambda h, d: st_join({**h, ALPHA: [1, 2]}, d), (ALPHA,)),
     ("unknown-dtype", _set(ALPHA, "dtype", "F33"), (ALPHA,)),
+    ("dtype-the-format-lacks", _set(ALPHA, "dtype", "C128"), (ALPHA, "unknown dtype 'C128'")),  # as safetensors
     (
         "dtype-missing",
         lambda h, d: st_join({**h, ALPHA: {k: v for k, v in h[ALPHA].items() if k != "dtype"}}, d),
@@ -377,7 +395,9 @@ SAFETENSORS_CASES: list[tuple[str, Callable[[dict[str, Any], bytes], bytes], tup
     ("shape-overflow-zero-size", _zero_size_huge_dim, ("st_key_delta",)),
     ("dim-past-int64-zero-size", _huge_dim_not_in_int64, ("st_key_delta",)),
     ("strides-past-int64-zero-size", _zero_size_strides_past_int64, ("st_key_delta",)),
+    ("sizes-past-2**64-from-the-left-zero-size", _zero_size_sizes_past_int64_from_the_left, ("st_key_delta",)),
     ("duplicate-key", _duplicate, (ALPHA,)),
+    ("duplicate-field-of-an-entry", _duplicate_field, (ALPHA, "lists 'dtype' twice")),
     (
         "metadata-not-an-object",
         lambda h, d: st_join({"__metadata__": "pt", **h}, d),

@@ -65,8 +65,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "C64": torch.complex64,
-    "C128": torch.complex128,
 }
+"""The format's dtypes (``safetensors``' own list: no ``C128``, which its reader refuses)."""
 for _name, _attr in (
     ("F8_E4M3", "float8_e4m3fn"),
     ("F8_E5M2", "float8_e5m2"),
@@ -93,17 +93,35 @@ def _packed_sizes(shape: list[int]) -> list[int] | None:
     return [*shape[:-1], shape[-1] // 2]
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+class _Object(dict[str, Any]):
+    """A JSON object of the header, with the first name it lists twice (``twice``), if any:
+    refused once the whole header is read, when it is known whether the name is a key's or a
+    field of one key's entry (the hook sees each object alone, innermost first)."""
+
+    twice: str | None = None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object()
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            if out.twice is None:
+                out.twice = k
+            continue
         out[k] = v
     return out
 
 
-class _DuplicateKey(Exception):
-    pass
+def _refuse_duplicates(path: Path, header: _Object) -> None:
+    if header.twice is not None:
+        raise CorruptModelCheckpointError(
+            path, f"header lists key {header.twice!r} twice", key=header.twice
+        )
+    for key, entry in header.items():
+        if isinstance(entry, _Object) and entry.twice is not None:
+            raise CorruptModelCheckpointError(
+                path, f"header's entry for key {key!r} lists {entry.twice!r} twice", key=key
+            )
 
 
 def _int(value: Any) -> bool:
@@ -164,18 +182,15 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError:
         raise CorruptModelCheckpointError(path, "header is not UTF-8 text") from None
-    except _DuplicateKey as dup:
-        raise CorruptModelCheckpointError(
-            path, f"header lists key {dup.args[0]!r} twice", key=dup.args[0]
-        ) from None
     except json.JSONDecodeError as exc:
         raise CorruptModelCheckpointError(path, f"header is not valid JSON ({exc})") from None
     except (ValueError, RecursionError) as exc:  # an int of too many digits, nesting too deep
         raise CorruptModelCheckpointError(path, f"header cannot be read as JSON ({exc})") from None
-    if not isinstance(header, dict):
+    if not isinstance(header, _Object):
         raise CorruptModelCheckpointError(
             path, f"header is a JSON {type(header).__name__}, not an object"
         )
+    _refuse_duplicates(path, header)
     return header, 8 + n, size
 
 
