@@ -291,7 +291,7 @@ def detect_preset(
         if index is None:
             continue
         emb, out = (
-            index.entries.get(k) or (index.entries.get(r) if r is not None else None)
+            index.entries[k] if k in index.entries else index.entries.get(r or "")
             for k, r in zip(names, renamed)
         )
         if emb is not None and out is not None and emb.shape == out.shape and len(index.files) > 1:

@@ -291,9 +291,9 @@ def load_into(
     mismatches always do. Each target's own box, dtype and storage decide what it gets (a
     checkpoint tensor is cast to its target's dtype): ``options.layout`` (but ``Layout()``),
     ``mesh`` are refused with a ``ValueError`` before anything is read, rather than ignored, and
-    so is a ``dtype`` other than that of every floating-point tensor of the model;
-    ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out, nothing is
-    read ahead of its place).
+    so is a ``dtype`` unless each checkpoint tensor it would cast fills a model tensor of that
+    dtype; ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out, nothing
+    is read ahead of its place).
     """
     options = options_or_default(options)
     stats = options.stats if options.stats is not None else LoadStats()
