@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["KeyMap", "ModelCheckpointLoadOptions", "apply_key_map", "castable", "convertible"]
 
 _CPU = torch.device("cpu")
-"""Made once: a fresh process's first ``torch.device`` costs ~40 us, and every load asks."""
+"""Made once: a fresh fork's first ``torch.device`` costs 80-110 us (copy-on-write faults on
+torch's pages), and every load asks."""
 
 MiB = 1 << 20
 

@@ -160,10 +160,10 @@ class LoadStats:
     def seconds(self) -> float:
         """Wall time of the loads given this object: a ``load_into``'s whole call; a
         ``lazy_load``'s metadata work (indexing and planning, done when it is called) and its
-        stream's time from its first tensor asked for to its last. Loads that run at once (threads) count the time
-        they share once; neither the time between two loads, nor between ``lazy_load``'s
-        return and the stream's first tensor asked for, nor a stream left suspended after its
-        last tensor counts."""
+        stream's time from its first tensor asked for to its last. Loads that run at once
+        (threads) count the time they share once; neither the time between two loads, nor
+        between ``lazy_load``'s return and the stream's first tensor asked for, nor a stream
+        left suspended after its last tensor counts."""
         with self._lock:
             return self._seconds_locked()
 
