@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import expected, load_all, pickle_long1, rewrite_zip, same_bits
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import lazyckpt
 from lazyckpt.loaders import detect_loader
@@ -435,6 +435,19 @@ def test_safetensors_bad_file(
     path = tmp_path / "broken.safetensors"
     path.write_bytes(damage(header, data))
     fails(path, CORRUPT, ("broken.safetensors", *names))
+
+
+def test_a_name_twice_in_the_metadata_is_taken_as_safetensors_takes_it(
+    tmp_path: Path, st_original: Path
+) -> None:
+    # No tensor depends on __metadata__: its last value holds, as in safetensors' own reader
+    # (a duplicate there used to refuse the file, naming "__metadata__" as a key).
+    header, data = st_split(st_original)
+    header["__metadata__"] = "META"
+    text = json.dumps(header).replace('"META"', '{"format": "np", "format": "pt"}')
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(st_join(text.encode(), data))
+    assert_same(load(path), load_file(path))
 
 
 @pytest.mark.parametrize("name", ["broken.safetensors"])

@@ -93,32 +93,40 @@ def _packed_sizes(shape: list[int]) -> list[int] | None:
     return [*shape[:-1], shape[-1] // 2]
 
 
-class _Object(dict[str, Any]):
-    """A JSON object of the header, with the first name it lists twice (``twice``), if any:
-    refused once the whole header is read, when it is known whether the name is a key's or a
-    field of one key's entry (the hook sees each object alone, innermost first)."""
+class _Twice(dict[str, Any]):
+    """A JSON object of the header that lists a name twice (``twice``: the first such), its
+    last value kept, as safetensors' reader keeps it. Refused once the whole header is read,
+    when it is known whose the name is: a key's, or a field of one key's entry (the hook sees
+    each object alone, innermost first). Made only for such an object: every other is a plain
+    ``dict``, which the fast check of an entry (:func:`_valid_entry`) takes."""
 
-    twice: str | None = None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> _Object:
-    out = _Object()
-    for k, v in pairs:
-        if k in out:
-            if out.twice is None:
-                out.twice = k
-            continue
-        out[k] = v
-    return out
+    twice: str = ""
 
 
-def _refuse_duplicates(path: Path, header: _Object) -> None:
-    if header.twice is not None:
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) == len(pairs):
+        return out
+    marked = _Twice(out)
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            marked.twice = k
+            break
+        seen.add(k)
+    return marked
+
+
+def _refuse_duplicates(path: Path, header: dict[str, Any]) -> None:
+    """Refuse a key listed twice, or a field listed twice in a key's entry (which of its values
+    holds is a guess). A name twice in ``__metadata__`` is taken, its last value, as
+    safetensors takes it: no tensor depends on it."""
+    if type(header) is _Twice:
         raise CorruptModelCheckpointError(
             path, f"header lists key {header.twice!r} twice", key=header.twice
         )
     for key, entry in header.items():
-        if isinstance(entry, _Object) and entry.twice is not None:
+        if type(entry) is _Twice and key != "__metadata__":
             raise CorruptModelCheckpointError(
                 path, f"header's entry for key {key!r} lists {entry.twice!r} twice", key=key
             )
@@ -186,7 +194,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
         raise CorruptModelCheckpointError(path, f"header is not valid JSON ({exc})") from None
     except (ValueError, RecursionError) as exc:  # an int of too many digits, nesting too deep
         raise CorruptModelCheckpointError(path, f"header cannot be read as JSON ({exc})") from None
-    if not isinstance(header, _Object):
+    if not isinstance(header, dict):
         raise CorruptModelCheckpointError(
             path, f"header is a JSON {type(header).__name__}, not an object"
         )
