@@ -291,7 +291,7 @@ def load_into(
     mismatches always do. Each target's own box, dtype and storage decide what it gets (a
     checkpoint tensor is cast to its target's dtype): ``options.layout`` (but ``Layout()``),
     ``mesh`` are refused with a ``ValueError`` before anything is read, rather than ignored, and
-    so is a ``dtype`` unless each checkpoint tensor it would cast fills a model tensor of that
+    so is a ``dtype`` unless each floating-point checkpoint tensor fills a model tensor of that
     dtype; ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out, nothing
     is read ahead of its place).
     """
@@ -354,8 +354,9 @@ def _load_into(
     report.unexpected = unexpected
     for key in extras:  # a module's extra state: the checkpoint's tensor, whole, made on the CPU
         entry = index.entries.get(key)
-        if entry is not None:
-            targets[key] = _Target(torch.empty(entry.shape, dtype=entry.dtype, device="meta"), [])
+        if entry is not None:  # cast as lazy_load casts it
+            dtype = output_dtype(entry.dtype, options.dtype)
+            targets[key] = _Target(torch.empty(entry.shape, dtype=dtype, device="meta"), [])
     _refuse_other_dtype(options.dtype, index.entries, targets)
     reshaped = [
         key for key, entry in index.entries.items() if entry.shape != targets[key].global_shape
@@ -616,25 +617,29 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
 def _refuse_other_dtype(
     dtype: torch.dtype | None, entries: Mapping[str, TensorEntry], targets: Mapping[str, _Target]
 ) -> None:
-    """Take ``options.dtype`` where each checkpoint tensor it casts fills a model tensor of that
-    dtype (one options object shared with ``lazy_load``): the one cast ``load_into`` makes is
-    then the cast ``lazy_load`` would make. Else refuse it, naming a key: ignored, a meta
-    model asked for bfloat16 came out in float32 without a word, and a float32 buffer of a
-    bfloat16 model (or an integer one filled from floats) would get values other than the
-    ones ``lazy_load`` rounds to ``dtype``."""
+    """Take ``options.dtype`` where each checkpoint tensor it applies to (floating point) fills
+    a model tensor of that dtype (one options object shared with ``lazy_load``): the model then
+    comes out as ``lazy_load`` would give it. Else refuse it, naming a key: ignored, a float32
+    meta model asked for bfloat16 came out in float32 without a word, and a float32 buffer of a
+    bfloat16 model (or an integer one filled from floats) would get values other than the ones
+    ``lazy_load`` rounds to ``dtype``."""
     if dtype is None:
         return
     for key, entry in entries.items():
-        cast = output_dtype(entry.dtype, dtype)
         has = targets[key].tensor.dtype
-        if cast != entry.dtype and has != cast:
-            raise ValueError(
-                f"load_into takes no options.dtype ({dtype}) other than the model's: each "
-                f"checkpoint tensor is cast to the dtype of the model's tensor it fills, and "
-                f"{key!r} ({entry.dtype} in the checkpoint) fills a {has} one; give the model "
-                f"that dtype first (model.to({dtype}), which a meta model takes too), or leave "
-                "options.dtype None"
-            )
+        if output_dtype(entry.dtype, dtype) != dtype or has == dtype:
+            continue
+        fix = (
+            f"give the model that dtype first (model.to({dtype}), which a meta model takes too)"
+            if has.is_floating_point
+            else f"its {has} tensor cannot be given it: drop the key with key_map"
+        )
+        raise ValueError(
+            f"load_into takes no options.dtype ({dtype}) other than the model's: each "
+            f"checkpoint tensor is cast to the dtype of the model's tensor it fills, and "
+            f"{key!r} ({entry.dtype} in the checkpoint) fills a {has} one; {fix}, or leave "
+            "options.dtype None"
+        )
 
 
 _MAX_TP_SIZE = 64
