@@ -497,6 +497,13 @@ def check_layout_helpers(rank: int, world: int) -> None:
         assert "dim 'ep' (size 2)" in str(exc) and "mesh[('tp',)]" in str(exc), exc
     else:
         raise AssertionError("an ep dim must be refused")
+    twice = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
+    try:
+        lazyckpt.Layout.from_mesh(twice)
+    except ValueError as exc:
+        assert "dims 'dp' and 'shard' (size 2) both name FSDP's dim" in str(exc), exc
+    else:
+        raise AssertionError("two FSDP-named dims must be refused")
     # A Shard on a size-1 dim cuts nothing: not refused.
     thin = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "model"))
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
