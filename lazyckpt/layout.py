@@ -155,7 +155,6 @@ def unnamed_cut(mesh: DeviceMesh) -> str | None:
     for i, name in enumerate(names):
         if i in found or name in UNCUT_DIM_NAMES or mesh.size(i) == 1:
             continue
-        kept = tuple(n for j, n in enumerate(names) if j in found)
         for role, taken, index in (
             ("TP", TP_DIM_NAMES, found[0]),
             ("FSDP", DP_DIM_NAMES, found[1]),
@@ -163,9 +162,9 @@ def unnamed_cut(mesh: DeviceMesh) -> str | None:
             if name in taken and index is not None:
                 return (
                     f"its dims {names[index]!r} and {name!r} (size {mesh.size(i)}) both name "
-                    f"{role}'s dim; name one otherwise (an HSDP mesh's copies: 'replicate'), or "
-                    f"give the sub-mesh of the dims that cut (mesh[{kept!r}])"
+                    f"{role}'s dim; name one otherwise (an HSDP mesh's copies: 'replicate')"
                 )
+        kept = tuple(n for j, n in enumerate(names) if j in found)
         return (
             f"its dim {name!r} (size {mesh.size(i)}) is not named as TP "
             f"({', '.join(TP_DIM_NAMES)}), FSDP ({', '.join(DP_DIM_NAMES)}), or a dim along "

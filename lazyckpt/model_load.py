@@ -291,9 +291,10 @@ def load_into(
     mismatches always do. Each target's own box, dtype and storage decide what it gets (a
     checkpoint tensor is cast to its target's dtype): ``options.layout`` (but ``Layout()``),
     ``mesh`` are refused with a ``ValueError`` before anything is read, rather than ignored, and
-    so is a ``dtype`` unless each floating-point checkpoint tensor fills a model tensor of that
-    dtype; ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out, nothing
-    is read ahead of its place).
+    so is a ``dtype`` unless the model comes out as ``lazy_load`` with it would give it (each
+    floating-point checkpoint tensor already in it or filling a model tensor of it, a meta one
+    made in it); ``contiguous`` and ``prefetch_bytes`` change nothing (no view is handed out,
+    nothing is read ahead of its place).
     """
     options = options_or_default(options)
     stats = options.stats if options.stats is not None else LoadStats()
@@ -617,28 +618,31 @@ def _refuse_unused_options(options: ModelCheckpointLoadOptions) -> None:
 def _refuse_other_dtype(
     dtype: torch.dtype | None, entries: Mapping[str, TensorEntry], targets: Mapping[str, _Target]
 ) -> None:
-    """Take ``options.dtype`` where each checkpoint tensor it applies to (floating point) fills
-    a model tensor of that dtype (one options object shared with ``lazy_load``): the model then
-    comes out as ``lazy_load`` would give it. Else refuse it, naming a key: ignored, a float32
-    meta model asked for bfloat16 came out in float32 without a word, and a float32 buffer of a
-    bfloat16 model (or an integer one filled from floats) would get values other than the ones
-    ``lazy_load`` rounds to ``dtype``."""
+    """Take ``options.dtype`` where the model comes out as ``lazy_load`` with it, then
+    ``load_state_dict``, would give it (one options object for both): each floating-point
+    checkpoint tensor is already in ``dtype`` or fills a model tensor of ``dtype``, and a meta
+    tensor, which ``load_into`` makes, is made in ``dtype``. Else refuse it, naming a key:
+    ignored, a float32 meta model asked for bfloat16 came out in float32 without a word, and a
+    float32 buffer of a bfloat16 model (or an integer one filled from floats) would get values
+    other than the ones ``lazy_load`` rounds to ``dtype``."""
     if dtype is None:
         return
     for key, entry in entries.items():
-        has = targets[key].tensor.dtype
+        tensor = targets[key].tensor
+        has = tensor.dtype
         if output_dtype(entry.dtype, dtype) != dtype or has == dtype:
-            continue
-        fix = (
-            f"give the model that dtype first (model.to({dtype}), which a meta model takes too)"
-            if has.is_floating_point
-            else f"its {has} tensor cannot be given it: drop the key with key_map"
-        )
+            continue  # not cast, or cast to what the model holds
+        if entry.dtype == dtype and not tensor.is_meta:
+            continue  # already in dtype: what lazy_load gives is what is copied in
+        if has.is_floating_point:
+            fix = f"give the model that dtype first (model.to({dtype}), which a meta model takes too), or leave options.dtype None"
+        else:
+            fix = f"leave options.dtype None (a {has} tensor does not take {dtype})"
+        made = "is made as a" if tensor.is_meta else "fills a"
         raise ValueError(
-            f"load_into takes no options.dtype ({dtype}) other than the model's: each "
-            f"checkpoint tensor is cast to the dtype of the model's tensor it fills, and "
-            f"{key!r} ({entry.dtype} in the checkpoint) fills a {has} one; {fix}, or leave "
-            "options.dtype None"
+            f"load_into cannot give the model options.dtype ({dtype}): each checkpoint tensor "
+            f"is cast to the dtype of the model's tensor it fills, and {key!r} "
+            f"({entry.dtype} in the checkpoint) {made} {has} one; {fix}"
         )
 
 

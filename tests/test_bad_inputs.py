@@ -448,6 +448,11 @@ def test_a_name_twice_in_the_metadata_is_taken_as_safetensors_takes_it(
     path = tmp_path / "m.safetensors"
     path.write_bytes(st_join(text.encode(), data))
     assert_same(load(path), load_file(path))
+    # Each value must be a string, though a later one hides it, as safetensors checks.
+    header["__metadata__"] = "META"
+    text = json.dumps(header).replace('"META"', '{"format": 1, "format": "pt"}')
+    path.write_bytes(st_join(text.encode(), data))
+    fails(path, CORRUPT, ("m.safetensors", "__metadata__ must be an object of strings"))
 
 
 @pytest.mark.parametrize("name", ["broken.safetensors"])

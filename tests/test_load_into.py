@@ -395,16 +395,20 @@ def test_options_dtype_the_model_already_has_is_taken(tmp_path: Path) -> None:
     counted = nn.Linear(8, 8).to(torch.bfloat16)
     counted.register_buffer("steps", torch.zeros((), dtype=torch.int64))
     torch.save({**full.state_dict(), "steps": torch.tensor(257.0)}, tmp_path / "steps.pt")
-    with pytest.raises(ValueError, match=r"'steps' \(torch\.float32 in the checkpoint\) fills a torch\.int64 one; its torch\.int64 tensor cannot be given it: drop the key with key_map"):
+    with pytest.raises(ValueError, match=r"'steps' \(torch\.float32 in the checkpoint\) fills a torch\.int64 one; leave options\.dtype None"):
         lazyckpt.load_into(counted, tmp_path / "steps.pt", options=bf16)
     lazyckpt.load_into(counted, tmp_path / "steps.pt")
+    assert counted.steps.item() == 257
+    # A dtype that casts nothing (the checkpoint's own) changes no value: taken.
+    counted.steps.zero_()
+    lazyckpt.load_into(counted, tmp_path / "steps.pt", options=lazyckpt.ModelCheckpointLoadOptions(dtype=torch.float32))
     assert counted.steps.item() == 257
     # A checkpoint already in the dtype asked for does not make a float32 meta model take it:
     # lazy_load gives bfloat16, so would load_into have, without a word, float32.
     torch.save(full.to(torch.bfloat16).state_dict(), tmp_path / "bf16.pt")
     with torch.device("meta"):
         wide = nn.Linear(8, 8)
-    with pytest.raises(ValueError, match=r"'weight' \(torch\.bfloat16 in the checkpoint\) fills a torch\.float32 one; give the model that dtype first"):
+    with pytest.raises(ValueError, match=r"'weight' \(torch\.bfloat16 in the checkpoint\) is made as a torch\.float32 one; give the model that dtype first"):
         lazyckpt.load_into(wide, tmp_path / "bf16.pt", options=bf16)
     assert wide.weight.is_meta
     # A module's extra state is cast as lazy_load casts it, so it does not stand in the way.

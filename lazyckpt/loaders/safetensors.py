@@ -101,6 +101,9 @@ class _Twice(dict[str, Any]):
     ``dict``, which the fast check of an entry (:func:`_valid_entry`) takes."""
 
     twice: str = ""
+    listed: tuple[Any, ...] = ()
+    """Every value it lists, the ones later values hide included (``__metadata__``'s must all
+    be strings, as safetensors' reader checks each)."""
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -108,6 +111,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) == len(pairs):
         return out
     marked = _Twice(out)
+    marked.listed = tuple(v for _, v in pairs)
     seen: set[str] = set()
     for k, _ in pairs:
         if k in seen:
@@ -240,7 +244,9 @@ def _read_file(path: Path) -> list[FileTensor]:
     data_len = size - data_start
     meta = header.pop("__metadata__", None)
     if meta is not None and not (
-        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+        isinstance(meta, dict)
+        and all(isinstance(v, str) for v in meta.values())
+        and all(isinstance(v, str) for v in getattr(meta, "listed", ()))
     ):
         raise CorruptModelCheckpointError(
             path, "header's __metadata__ must be an object of strings"
