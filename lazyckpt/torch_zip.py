@@ -725,7 +725,8 @@ def _check_magic(path: Path, head: bytes, window: tuple[int, int] | None) -> Non
     if head == ZIP_MAGIC:
         return
     where = "" if window is None else f" at byte {window[0]}"
-    if head[:1] == b"\x80":
+    # Pickle protocol 2 on (b"\x80"), or 0 and 1, which write torch's magic number as text.
+    if head[:1] == b"\x80" or head == b"L119":
         raise CorruptModelCheckpointError(
             path,
             f"the data{where} is a bare pickle, the legacy torch.save format (torch < 1.6) that "
@@ -885,6 +886,10 @@ def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str], 
 
 _MAX_NESTING = 200
 """Dicts inside dicts a state dict may nest (a model's deepest module path is a few dozen)."""
+_MAX_ENTERED = 64
+"""Times one dict may be reached while flattening: a pickle may hold a dict under two keys
+(``{"model": sd, "ema": sd}``), but one that holds a dict twice, that dict holding another
+twice, and so on, makes 2**depth keys of a 2 KB file: a walk that never ends."""
 
 
 def flatten_state_dict(
@@ -915,7 +920,7 @@ def flatten_state_dict(
         )
     obj, _ = _unwrap(obj)
     out: dict[str, StoredTensor] = {}
-    _flatten(obj, "", out, path, keep, set())
+    _flatten(obj, "", out, path, keep, set(), {})
     return out
 
 
@@ -942,13 +947,25 @@ def _flatten(
     path: Path,
     keep: Callable[[str], bool] | None,
     inside: set[int],
+    entered: dict[int, int],
 ) -> None:
     """``inside``: the ids of the dicts ``obj`` lies in, itself included once entered (a
-    pickle can make a dict hold itself, which torch.load takes; flattened, it never ends)."""
+    pickle can make a dict hold itself, which torch.load takes; flattened, it never ends).
+    ``entered``: how many times each dict was reached (see ``_MAX_ENTERED``)."""
     if id(obj) in inside:
         key = prefix.removesuffix(".")
         raise CorruptModelCheckpointError(
             path, f"key {key!r} holds a dict that holds it: no state dict does", key=key
+        )
+    times = entered[id(obj)] = entered.get(id(obj), 0) + 1
+    if times > _MAX_ENTERED:
+        key = prefix.removesuffix(".")
+        raise CorruptModelCheckpointError(
+            path,
+            f"key {key!r} holds a dict that the file's dicts hold more than {_MAX_ENTERED} "
+            "times over (dicts holding one dict twice, at level after level): no state dict "
+            "does, and its keys would double with each level",
+            key=key,
         )
     if len(inside) >= _MAX_NESTING:
         raise CorruptModelCheckpointError(
@@ -974,7 +991,7 @@ def _flatten(
                 )
             out[key] = v
         elif isinstance(v, Mapping):
-            _flatten(v, key + ".", out, path, keep, inside)  # a dict under two keys is fine
+            _flatten(v, key + ".", out, path, keep, inside, entered)  # under two keys: fine
         elif keep is not None and not keep(key):
             continue  # not a tensor, but dropped by the caller's key_map
         elif isinstance(v, Unsupported):

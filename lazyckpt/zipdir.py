@@ -191,6 +191,7 @@ def _find_eocd(tail: bytes) -> int:
 
 def _parse_central(data: bytes, count: int, limit: int) -> list[ZipRecord]:
     records: list[ZipRecord] = []
+    names: set[str] = set()
     pos = 0
     unpack = _CENTRAL.unpack_from
     for _ in range(count):
@@ -220,6 +221,9 @@ def _parse_central(data: bytes, count: int, limit: int) -> list[ZipRecord]:
                 f"record {name}: its header offset {offset} lies outside the archive; the zip "
                 "directory is damaged"
             )
+        if name in names:  # which of the two holds the data? The last would win, silently
+            raise ZipError(f"the directory lists record {name} twice")
+        names.add(name)
         records.append(ZipRecord(name, raw_name, flags, crc, size, offset, limit + pos))
         pos = extra_end + n_comment
     return records

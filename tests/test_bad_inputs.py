@@ -1101,6 +1101,49 @@ def test_torch_pickle_edits_torch_save_never_writes(tmp_path: Path) -> None:
             assert said in outcome["message"], (i, outcome["message"])
 
 
+@pytest.mark.parametrize("protocol", [0, 1, 2])
+def test_torch_legacy_format_is_refused_with_the_fix_whatever_its_pickle_protocol(
+    tmp_path: Path, protocol: int
+) -> None:
+    # Protocols 0 and 1 write torch's magic number as text: only protocol 2's b"\x80" was told
+    # to be the legacy format, the others "not a torch zip archive".
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    fails(path, CORRUPT, ("legacy.pt", "legacy torch.save format"))
+
+
+def test_torch_zip_listing_a_record_twice_is_refused(tmp_path: Path) -> None:
+    # The last of two records of one name held the tensor's bytes, silently: zeros here, where
+    # torch.load reads the first (and verify --read said OK).
+    import warnings
+    import zipfile
+
+    torch.save({"w": torch.arange(1.0, 7.0)}, tmp_path / "src.pt")
+    with zipfile.ZipFile(tmp_path / "src.pt") as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    name, data = next(m for m in members if m[0].endswith("/data/0"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's own "Duplicate name" warning
+        with zipfile.ZipFile(tmp_path / "twice.pt", "w", zipfile.ZIP_STORED) as z:
+            for n, d in [*members, (name, bytes(len(data)))]:
+                z.writestr(n, d)
+    fails(tmp_path / "twice.pt", CORRUPT, ("twice.pt", f"lists record {name} twice"))
+
+
+def test_torch_dicts_holding_one_dict_twice_level_after_level_are_refused(tmp_path: Path) -> None:
+    # A 2 KB file of dicts each holding the next twice: flattening it doubled its keys with
+    # each level and never ended. A dict under two keys, as a training checkpoint may hold
+    # its weights under "model" and "ema", still loads.
+    nested: dict[str, Any] = {"w": torch.zeros(1)}
+    for _ in range(60):
+        nested = {"a": nested, "b": nested}
+    torch.save({"m": nested}, tmp_path / "doubling.pt")
+    fails(tmp_path / "doubling.pt", CORRUPT, ("doubling.pt", "times over"), eager=True)
+    sd = {"w": torch.arange(3.0)}
+    torch.save({"weights": sd, "ema": sd}, tmp_path / "twice.pt")
+    assert_same(load(tmp_path / "twice.pt"), {"weights.w": sd["w"], "ema.w": sd["w"]})
+
+
 @pytest.mark.parametrize(
     "stride", [2**62, 2**63 - 1, 2**63, 2**70], ids=["2**62", "2**63-1", "2**63", "2**70"]
 )
