@@ -18,6 +18,7 @@ than the largest tensor plus the budget alive; one that keeps tensors only stops
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import weakref
@@ -186,10 +187,12 @@ def prefetched(
                 return
 
     worker = threading.Thread(target=work, name="lazyckpt-prefetch", daemon=True)
-    worker.start()
     running = (state, worker)
-    _RUNNING.add(running)
     try:
+        # Inside the try: a Ctrl-C in start() (it waits for the thread to run) left the worker
+        # polling for good, holding what it had built and the files it read.
+        _RUNNING.add(running)
+        worker.start()
         for i, (item, size, is_inline) in enumerate(zip(items, sizes, kinds)):
             _same_process(parent)
             if is_inline:
@@ -222,7 +225,8 @@ def prefetched(
             # The garbage collector can close a stream dropped in a reference cycle on any thread,
             # the worker included (it allocates the most): it stops at its next check by itself.
             if threading.current_thread() is not worker:
-                worker.join()
+                with contextlib.suppress(RuntimeError):  # start() interrupted before it ran:
+                    worker.join()  # the thread, if it runs, stops at its first check
             # After the join: a build the worker was in stores its slot when it ends, and a slot
             # kept here would keep its tensor (and, through its finalizer, this state) for good.
             state.ready.clear()

@@ -84,9 +84,6 @@ _RAW_BYTES = 1 << 20
 """Largest piece :meth:`Reader.raws` hands out as bytes (a copy; replica norms are a few KiB)."""
 
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-
-
 class _OpenFile:
     """A file opened for one load: its descriptor, size and (lazily) its mapping."""
 
@@ -97,10 +94,15 @@ class _OpenFile:
         self.name = str(path)
         """The path as :class:`LoadStats` counts it."""
         self._defer = defer
-        self.fd = fdlimit.opening(path, lambda: os.open(path, _OPEN_FLAGS), mapped)
+        # Opened as a FileIO, which owns the descriptor from the open on (made in one C call):
+        # a Ctrl-C after an os.open returned, before anything held the number, lost it for
+        # the life of the process. Until the closer below is set, the FileIO closes it when
+        # dropped; then the closer does (no ``with``: the file outlives this call).
+        file = fdlimit.opening(path, lambda: open(path, "rb", buffering=0), mapped)  # noqa: SIM115
+        self.fd = file.fileno()
         # Closes the descriptor once: at close(), or when the object goes unclosed (a Ctrl-C
         # between here and the reader's listing of it, or inside the reader's close()).
-        self._closer = weakref.finalize(self, os.close, self.fd)
+        self._closer = weakref.finalize(self, file.close)
         self._closer.atexit = False
         try:
             st = os.fstat(self.fd)

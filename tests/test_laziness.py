@@ -688,3 +688,73 @@ def test_a_ctrl_c_opening_a_file_or_closing_its_watch_leaks_nothing_for_good(
     gc.collect()
     unmap.wait()
     assert _open_under(tmp_path) == 0 and not _mapped(tmp_path / "m.safetensors")
+
+
+def _descriptors_of(path: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target == str(path):
+                out.append(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_ctrl_c_as_the_prefetch_thread_starts_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Thread.start() waits for the thread to run; a Ctrl-C there (seen with real SIGINTs) came
+    # before the stream's try: the worker polled for good, holding what it built and the file.
+    # Here the interrupt is raised as the signal handler would, once the worker runs.
+    from lazyckpt import prefetch, unmap
+
+    torch.save({f"k{i}": torch.full((256, 256), float(i)) for i in range(8)}, tmp_path / "m.pt")
+    start = threading.Thread.start
+
+    def interrupted(self: threading.Thread) -> None:
+        start(self)
+        if self.name == "lazyckpt-prefetch":
+            time.sleep(0.05)  # the worker builds meanwhile
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    options = lazyckpt.ModelCheckpointLoadOptions(contiguous=True, prefetch_bytes=1 << 20)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.pt", {}, options):
+            pass
+    monkeypatch.undo()
+    gc.collect()
+    unmap.wait()
+    assert not [t for t in threading.enumerate() if t.name == "lazyckpt-prefetch" and t.is_alive()]
+    assert not prefetch._RUNNING
+    assert _descriptors_of(tmp_path / "m.pt") == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_ctrl_c_right_after_a_file_is_opened_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between os.open's return and the finalizer that closes it, a Ctrl-C (seen with real
+    # SIGINTs) lost the descriptor for the life of the process. The interrupt is raised here
+    # where the signal handler would run, once the open has returned.
+    from lazyckpt import fdlimit, read
+
+    save_file({"w": torch.ones(64, 64)}, tmp_path / "m.safetensors")
+    opening = fdlimit.opening
+    armed = [True]
+
+    def interrupted(path: Path, call: Any, mapped: bool = True) -> Any:
+        opened = opening(path, call, mapped)
+        if armed and Path(path) == tmp_path / "m.safetensors":
+            armed.clear()
+            raise KeyboardInterrupt
+        return opened
+
+    monkeypatch.setattr(read.fdlimit, "opening", interrupted)
+    options = lazyckpt.ModelCheckpointLoadOptions(mmap=False)
+    with pytest.raises(KeyboardInterrupt):
+        list(lazyckpt.get_model_checkpoint_loader().lazy_load(tmp_path / "m.safetensors", {}, options))
+    monkeypatch.undo()
+    gc.collect()
+    assert not armed and _descriptors_of(tmp_path / "m.safetensors") == []
