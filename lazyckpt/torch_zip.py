@@ -886,10 +886,11 @@ def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str], 
 
 _MAX_NESTING = 200
 """Dicts inside dicts a state dict may nest (a model's deepest module path is a few dozen)."""
-_MAX_ENTERED = 64
-"""Times one dict may be reached while flattening: a pickle may hold a dict under two keys
-(``{"model": sd, "ema": sd}``), but one that holds a dict twice, that dict holding another
-twice, and so on, makes 2**depth keys of a 2 KB file: a walk that never ends."""
+_MAX_ENTERED = 4096
+"""Times one dict may be reached while flattening: a pickle may hold one dict in many places
+(``{"weights": sd, "ema": sd}``, a config beside every layer that key_map drops), but one that
+holds a dict twice, that dict holding another twice, and so on, makes 2**depth keys of a 2 KB
+file: a walk that never ends. Refused at its 13th level."""
 
 
 def flatten_state_dict(
