@@ -1142,6 +1142,12 @@ def test_torch_dicts_holding_one_dict_twice_level_after_level_are_refused(tmp_pa
     sd = {"w": torch.arange(3.0)}
     torch.save({"weights": sd, "ema": sd}, tmp_path / "twice.pt")
     assert_same(load(tmp_path / "twice.pt"), {"weights.w": sd["w"], "ema.w": sd["w"]})
+    # One config beside each of 200 layers, dropped by key_map, is one dict held 200 times.
+    config = {"act": "silu"}
+    layers = {f"l{i}": {"w": torch.full((2,), float(i)), "config": config} for i in range(200)}
+    torch.save(layers, tmp_path / "shared.pt")
+    got = load(tmp_path / "shared.pt", key_map=lambda k: None if ".config." in k else k)
+    assert_same(got, {f"l{i}.w": torch.full((2,), float(i)) for i in range(200)})
 
 
 @pytest.mark.parametrize(
