@@ -98,17 +98,17 @@ class _OpenFile:
         # a Ctrl-C after an os.open returned, before anything held the number, lost it for
         # the life of the process. Until the closer below is set, the FileIO closes it when
         # dropped; then the closer does (no ``with``: the file outlives this call).
-        file = fdlimit.opening(path, lambda: open(path, "rb", buffering=0), mapped)  # noqa: SIM115
-        self.fd = file.fileno()
+        self._file = fdlimit.opening(path, lambda: open(path, "rb", buffering=0), mapped)  # noqa: SIM115
+        self.fd = self._file.fileno()
         # Closes the descriptor once: at close(), or when the object goes unclosed (a Ctrl-C
         # between here and the reader's listing of it, or inside the reader's close()).
-        self._closer = weakref.finalize(self, file.close)
+        self._closer = weakref.finalize(self, self._file.close)
         self._closer.atexit = False
         try:
             st = os.fstat(self.fd)
             readahead.no_readahead(self.fd)
         except BaseException:  # an OSError, or a Ctrl-C: the descriptor is not left open
-            self._closer()
+            self._close_fd()
             raise
         self.size = st.st_size
         self.stamp = file_stamp(st)
@@ -179,7 +179,14 @@ class _OpenFile:
         # Once, and the number forgotten: by then it may be another file's, which a worker
         # still building for a stream closed under it would read (or close again).
         self.fd = -1
-        self._closer()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        # By hand, not through the finalizer, which does nothing once the interpreter is
+        # shutting down: a stream closed then (kept to the end of a script) left its FileIOs
+        # to be freed unclosed, each with a ResourceWarning. Closing twice does nothing.
+        self._closer.detach()
+        self._file.close()
 
 
 class ViewSpot(NamedTuple):
@@ -290,6 +297,13 @@ class Reader:
                     except FileNotFoundError as exc:
                         raise CorruptModelCheckpointError(
                             path, "the file is gone: it was listed when the checkpoint was indexed"
+                        ) from exc
+                    except IsADirectoryError as exc:
+                        raise CorruptModelCheckpointError(
+                            path,
+                            f"key {key!r}: the file changed since the checkpoint was indexed "
+                            "(a folder now stands in its place); load it again",
+                            key=key,
                         ) from exc
                     indexed = self.stamps.get(path)
                     if indexed is not None and f.stamp != indexed:

@@ -886,11 +886,33 @@ def _unpickle(path: Path, data: bytes, restrict: bool) -> tuple[Any, list[str], 
 
 _MAX_NESTING = 200
 """Dicts inside dicts a state dict may nest (a model's deepest module path is a few dozen)."""
-_MAX_ENTERED = 4096
-"""Times one dict may be reached while flattening: a pickle may hold one dict in many places
-(``{"weights": sd, "ema": sd}``, a config beside every layer that key_map drops), but one that
-holds a dict twice, that dict holding another twice, and so on, makes 2**depth keys of a 2 KB
-file: a walk that never ends. Refused at its 13th level."""
+_SHARING = 64
+"""How many times over, at most, flattening may walk the entries the file's dicts hold
+(:class:`_Walk`): a pickle may hold one dict in many places (``{"weights": sd, "ema": sd}``,
+one config beside each of 15,000 experts, which key_map drops), but one that holds a dict
+twice, that dict holding another twice, and so on, makes 2**depth keys of a 2 KB file, and
+4,096 keys holding one dict of 100,000 keys make 400 million: walks that never end."""
+
+
+class _Walk:
+    """What a flattening has done: the distinct dicts it entered and their entries, and the
+    entries it walked (each as often as its dict is reached)."""
+
+    __slots__ = ("entries", "seen", "walked")
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.entries = 0
+        self.walked = 0
+
+    def enter(self, obj: Mapping[Any, Any]) -> bool:
+        """Count a walk over ``obj``; False once the walks pass ``_SHARING`` times the
+        entries (plus room for small files)."""
+        if id(obj) not in self.seen:
+            self.seen.add(id(obj))
+            self.entries += len(obj)
+        self.walked += len(obj)
+        return self.walked <= _SHARING * self.entries + 100_000
 
 
 def flatten_state_dict(
@@ -921,7 +943,7 @@ def flatten_state_dict(
         )
     obj, _ = _unwrap(obj)
     out: dict[str, StoredTensor] = {}
-    _flatten(obj, "", out, path, keep, set(), {})
+    _flatten(obj, "", out, path, keep, set(), _Walk())
     return out
 
 
@@ -948,24 +970,23 @@ def _flatten(
     path: Path,
     keep: Callable[[str], bool] | None,
     inside: set[int],
-    entered: dict[int, int],
+    walk: _Walk,
 ) -> None:
     """``inside``: the ids of the dicts ``obj`` lies in, itself included once entered (a
     pickle can make a dict hold itself, which torch.load takes; flattened, it never ends).
-    ``entered``: how many times each dict was reached (see ``_MAX_ENTERED``)."""
+    ``walk``: what the flattening has done (see ``_SHARING``)."""
     if id(obj) in inside:
         key = prefix.removesuffix(".")
         raise CorruptModelCheckpointError(
             path, f"key {key!r} holds a dict that holds it: no state dict does", key=key
         )
-    times = entered[id(obj)] = entered.get(id(obj), 0) + 1
-    if times > _MAX_ENTERED:
+    if not walk.enter(obj):
         key = prefix.removesuffix(".")
         raise CorruptModelCheckpointError(
             path,
-            f"key {key!r} holds a dict that the file's dicts hold more than {_MAX_ENTERED} "
-            "times over (dicts holding one dict twice, at level after level): no state dict "
-            "does, and its keys would double with each level",
+            f"key {key!r}: the file's dicts hold one another so often that flattening them "
+            f"walks {walk.walked:,} entries of {walk.entries:,} (dicts held in many places, "
+            "each holding more: their keys multiply with each level): no state dict does",
             key=key,
         )
     if len(inside) >= _MAX_NESTING:
@@ -992,7 +1013,7 @@ def _flatten(
                 )
             out[key] = v
         elif isinstance(v, Mapping):
-            _flatten(v, key + ".", out, path, keep, inside, entered)  # under two keys: fine
+            _flatten(v, key + ".", out, path, keep, inside, walk)  # under two keys: fine
         elif keep is not None and not keep(key):
             continue  # not a tensor, but dropped by the caller's key_map
         elif isinstance(v, Unsupported):

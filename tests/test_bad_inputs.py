@@ -1138,10 +1138,14 @@ def test_torch_dicts_holding_one_dict_twice_level_after_level_are_refused(tmp_pa
     for _ in range(60):
         nested = {"a": nested, "b": nested}
     torch.save({"m": nested}, tmp_path / "doubling.pt")
-    fails(tmp_path / "doubling.pt", CORRUPT, ("doubling.pt", "times over"), eager=True)
+    fails(tmp_path / "doubling.pt", CORRUPT, ("doubling.pt", "hold one another so often"), eager=True)
     sd = {"w": torch.arange(3.0)}
     torch.save({"weights": sd, "ema": sd}, tmp_path / "twice.pt")
     assert_same(load(tmp_path / "twice.pt"), {"weights.w": sd["w"], "ema.w": sd["w"]})
+    # 2,000 keys holding one dict of 200 keys: 400,000 keys of a small file.
+    leaf = {f"k{i}": torch.zeros(1) for i in range(200)}
+    torch.save({str(i): leaf for i in range(2000)}, tmp_path / "fanned.pt")
+    fails(tmp_path / "fanned.pt", CORRUPT, ("fanned.pt", "hold one another so often"), eager=True)
     # One config beside each of 200 layers, dropped by key_map, is one dict held 200 times.
     config = {"act": "silu"}
     layers = {f"l{i}": {"w": torch.full((2,), float(i)), "config": config} for i in range(200)}

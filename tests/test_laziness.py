@@ -758,3 +758,41 @@ def test_a_ctrl_c_right_after_a_file_is_opened_leaks_no_descriptor(
     monkeypatch.undo()
     gc.collect()
     assert not armed and _descriptors_of(tmp_path / "m.safetensors") == []
+
+
+def test_a_stream_kept_to_the_end_of_a_script_exits_without_a_warning(tmp_path: Path) -> None:
+    # Closed at interpreter shutdown, when weakref finalizers do nothing, the stream's files
+    # were freed unclosed: one ResourceWarning each ("Exception ignored ... unclosed file").
+    save_file({f"w{i}": torch.ones(8) for i in range(4)}, tmp_path / "m.safetensors")
+    script = (
+        "import lazyckpt\n"
+        f"stream = lazyckpt.get_model_checkpoint_loader().lazy_load({str(tmp_path / 'm.safetensors')!r}, {{}})\n"
+        "print(next(stream)[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::ResourceWarning", "-c", script],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "w0", done.stderr
+    assert "ResourceWarning" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_file_replaced_by_a_folder_while_streaming_is_named(tmp_path: Path) -> None:
+    # open() refuses a folder where os.open took it (and the stamp check named the change):
+    # the load ended in a bare IsADirectoryError.
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    index = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    for key, name in index.items():
+        save_file({key: torch.ones(4)}, folder / name)
+    text = json.dumps({"metadata": {}, "weight_map": index})
+    (folder / "model.safetensors.index.json").write_text(text)
+    options = lazyckpt.ModelCheckpointLoadOptions(mmap=False, prefetch_bytes=0)
+    stream = lazyckpt.get_model_checkpoint_loader().lazy_load(folder, {}, options)
+    first, _ = next(stream)
+    other = next(k for k in index if index[k] != index[first])
+    (folder / index[other]).unlink()
+    (folder / index[other]).mkdir()
+    with pytest.raises(lazyckpt.CorruptModelCheckpointError, match="a folder now stands in its place") as info:
+        list(stream)
+    assert info.value.key == other
