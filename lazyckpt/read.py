@@ -189,6 +189,16 @@ class _OpenFile:
         self._file.close()
 
 
+def _changed(path: Path, key: str, how: str, then: str = "") -> CorruptModelCheckpointError:
+    """A file that is no longer the one the checkpoint's index describes."""
+    return CorruptModelCheckpointError(
+        path,
+        f"key {key!r}: the file changed since the checkpoint was indexed ({how}){then}; load "
+        "it again",
+        key=key,
+    )
+
+
 class ViewSpot(NamedTuple):
     """Where a zero-copy view lies (:meth:`Reader.find_view`)."""
 
@@ -299,21 +309,15 @@ class Reader:
                             path, "the file is gone: it was listed when the checkpoint was indexed"
                         ) from exc
                     except IsADirectoryError as exc:
-                        raise CorruptModelCheckpointError(
-                            path,
-                            f"key {key!r}: the file changed since the checkpoint was indexed "
-                            "(a folder now stands in its place); load it again",
-                            key=key,
-                        ) from exc
+                        raise _changed(path, key, "a folder now stands in its place") from exc
                     indexed = self.stamps.get(path)
                     if indexed is not None and f.stamp != indexed:
                         f.close()
-                        raise CorruptModelCheckpointError(
+                        raise _changed(
                             path,
-                            f"key {key!r}: the file changed since the checkpoint was indexed "
-                            "(replaced or rewritten while loading), its offsets no longer hold; "
-                            "load it again",
-                            key=key,
+                            key,
+                            "replaced or rewritten while loading",
+                            ", its offsets no longer hold",
                         )
                     self._files[path] = f
                     # The garbage collector may have closed the reader meanwhile, on this very
